@@ -1,0 +1,1 @@
+"""qspec command line."""

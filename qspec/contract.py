@@ -1,0 +1,65 @@
+"""The names of the qspec ONNX contract, in one place.
+
+The exporter writes them, the specialization builder uses the axis names as keys, and the runtime
+binds them. The vendor compiler pairs every ``X`` input with the ``X_RetainedState`` output of the
+same name (``-retained-state``), so none of these strings is cosmetic.
+"""
+
+from __future__ import annotations
+
+# Graph inputs.
+INPUT_IDS = "input_ids"  # int64 [batch_size, seq_len]
+POSITION_IDS = "position_ids"  # int64 [batch_size, seq_len]; PAD_POSITION marks padding
+BATCH_INDEX = "batch_index"  # int64 [batch_size, 1]; continuous batching only
+NUM_LOGITS_TO_KEEP = "num_logits_to_keep"  # int64 [num_logits_to_keep, 1]; only its shape matters
+
+# Graph output.
+LOGITS = "logits"  # float [batch_size, num_logits_to_keep or 1, vocab]
+
+RETAINED_STATE_SUFFIX = "_RetainedState"
+
+# Symbolic dimension names: exactly the keys of a specialization.
+BATCH_SIZE = "batch_size"
+SEQ_LEN = "seq_len"
+CTX_LEN = "ctx_len"
+FULL_BATCH_SIZE = "full_batch_size"
+# NUM_LOGITS_TO_KEEP is both an input name and a dimension name.
+SPECIALIZATION_KEYS = (BATCH_SIZE, SEQ_LEN, CTX_LEN, FULL_BATCH_SIZE, NUM_LOGITS_TO_KEEP)
+
+# Position id of a padding token: it writes nothing a live token can see and gets no logits.
+PAD_POSITION = -1
+
+
+def past_key(layer: int) -> str:
+    """Input name of layer ``layer``'s key buffer: ``past_key.{i}``."""
+    return f"past_key.{layer}"
+
+
+def past_value(layer: int) -> str:
+    """Input name of layer ``layer``'s value buffer: ``past_value.{i}``."""
+    return f"past_value.{layer}"
+
+
+def retained(name: str) -> str:
+    """Output name that carries the updated buffer of input ``name``."""
+    return name + RETAINED_STATE_SUFFIX
+
+
+def kv_names(num_layers: int) -> list[str]:
+    """All KV input names in graph order: ``past_key.0, past_value.0, past_key.1, ...``."""
+    return [name for i in range(num_layers) for name in (past_key(i), past_value(i))]
+
+
+def input_names(num_layers: int, *, continuous_batching: bool, speculative: bool) -> list[str]:
+    """Graph input names, in order, for a graph with these options."""
+    names = [INPUT_IDS, POSITION_IDS]
+    if continuous_batching:
+        names.append(BATCH_INDEX)
+    if speculative:
+        names.append(NUM_LOGITS_TO_KEEP)
+    return names + kv_names(num_layers)
+
+
+def output_names(num_layers: int) -> list[str]:
+    """Graph output names, in order: logits, then every KV buffer's retained state."""
+    return [LOGITS] + [retained(name) for name in kv_names(num_layers)]

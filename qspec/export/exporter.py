@@ -1,0 +1,301 @@
+"""Export a Hugging Face causal LM to the qspec ONNX contract, cached by content hash.
+
+``export_model(model, options)`` returns the folder of a finished export::
+
+    <cache>/exports/<key>/model.onnx, model.onnx.data, tokenizer/, export.json
+
+The key hashes the model's files, the export options and the versions of qspec, torch and
+transformers. An export is built in a ``.tmp-*`` sibling and renamed into place only once
+``export.json`` is written, so an interrupted export never leaves a folder that looks valid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Callable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from qspec import __version__, contract
+from qspec.errors import ConfigError, QSpecError
+from qspec.export.loader import ModelSource, load_model, resolve_source, source_digest
+from qspec.export.wrapper import adapter_for
+
+EXPORT_META = "export.json"
+ONNX_FILE = "model.onnx"
+TOKENIZER_DIR = "tokenizer"
+OPSET = 18
+
+Progress = Callable[[str], None]
+
+
+class ExportOptions(BaseModel):
+    """What changes the graph: the variant of the contract and an optional layer cut (draft models)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    continuous_batching: bool = False  # `batch_index` input, KV buffers of `full_batch_size` rows
+    speculative: bool = True  # `num_logits_to_keep` input: logits of the last K + 1 positions
+    num_layers: int | None = Field(default=None, ge=1)  # keep only the first N decoder layers
+
+
+class ModelInfo(BaseModel):
+    """What the runtime needs to know about an exported model, without loading it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model_type: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    kv_dtype: str = "float32"
+    eos_token_ids: list[int]
+    speculative_config: dict = Field(default_factory=dict)  # the model config's own speculative fields
+
+
+class ExportMeta(BaseModel):
+    """Contents of ``export.json``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    source: str
+    digest: str
+    key: str
+    options: ExportOptions
+    model: ModelInfo
+    versions: dict[str, str]
+    export_seconds: float
+    onnx_bytes: int
+    data_bytes: int
+
+
+def cache_root() -> Path:
+    """``$QSPEC_CACHE_DIR`` or ``~/.cache/qspec``."""
+    return Path(os.environ.get("QSPEC_CACHE_DIR") or Path.home() / ".cache" / "qspec").expanduser()
+
+
+def export_key(digest: str, options: ExportOptions) -> str:
+    import torch
+    import transformers
+
+    versions = f"qspec={__version__};torch={torch.__version__};transformers={transformers.__version__}"
+    payload = f"{digest}|{options.model_dump_json()}|{versions}|opset={OPSET}"
+    return hashlib.sha256(payload.encode()).hexdigest()[:24]
+
+
+def read_export(folder: Path) -> ExportMeta:
+    return ExportMeta.model_validate_json((folder / EXPORT_META).read_text())
+
+
+def export_model(
+    model: str | os.PathLike,
+    options: ExportOptions | None = None,
+    *,
+    cache_dir: Path | None = None,
+    progress: Progress | None = None,
+) -> tuple[Path, ExportMeta]:
+    """Export ``model`` (folder, ``.gguf`` or hub id) or reuse the cached export; returns (folder, meta)."""
+    options = options or ExportOptions()
+    say = progress or (lambda message: None)
+    source = resolve_source(model)
+    say("hashing model files")
+    digest = source_digest(source)
+    key = export_key(digest, options)
+    root = (cache_dir or cache_root()) / "exports"
+    final = root / key
+    if (final / EXPORT_META).is_file():
+        return final, read_export(final)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=root))
+    try:
+        meta = _export_into(tmp, source, digest, key, options, say)
+        if final.exists():  # a broken leftover: no export.json, so never valid
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final, meta
+
+
+def _export_into(folder: Path, source: ModelSource, digest: str, key: str, options, say: Progress) -> ExportMeta:
+    import torch
+    import transformers
+
+    start = time.perf_counter()
+    say(f"loading {source.ref}")
+    model, tokenizer = load_model(source)
+    adapter_for(model.config)  # unsupported families fail before the slow part
+    if options.num_layers is not None:
+        _truncate_layers(model, options.num_layers)
+    info = _model_info(model, tokenizer)
+    say(f"tracing {info.num_layers} layers to ONNX (opset {OPSET})")
+    trace_to_onnx(model, folder / ONNX_FILE, options, info)
+    say("checking the ONNX graph")
+    check_graph(folder / ONNX_FILE, info.num_layers, options)
+    say("saving the tokenizer")
+    tokenizer.save_pretrained(folder / TOKENIZER_DIR)
+    meta = ExportMeta(
+        source=source.ref,
+        digest=digest,
+        key=key,
+        options=options,
+        model=info,
+        versions={"qspec": __version__, "torch": torch.__version__, "transformers": transformers.__version__},
+        export_seconds=round(time.perf_counter() - start, 2),
+        onnx_bytes=(folder / ONNX_FILE).stat().st_size,
+        data_bytes=sum(p.stat().st_size for p in folder.glob(ONNX_FILE + ".data")),
+    )
+    (folder / EXPORT_META).write_text(meta.model_dump_json(indent=2) + "\n")
+    return meta
+
+
+def _truncate_layers(model, num_layers: int) -> None:
+    layers = model.model.layers
+    if num_layers > len(layers):
+        raise ConfigError(f"num_layers {num_layers} > the model's {len(layers)} layers; give at most {len(layers)}")
+    model.model.layers = layers[:num_layers]
+    model.config.num_hidden_layers = num_layers
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = model.config.layer_types[:num_layers]
+
+
+def _model_info(model, tokenizer) -> ModelInfo:
+    config = model.config
+    attn = model.model.layers[0].self_attn
+    eos = set()
+    for value in (getattr(model.generation_config, "eos_token_id", None), config.eos_token_id, tokenizer.eos_token_id):
+        if value is not None:
+            eos.update(value if isinstance(value, (list, tuple)) else [value])
+    spec_fields = {k: v for k, v in config.to_dict().items() if k in ("num_speculative_tokens", "speculative_config")}
+    return ModelInfo(
+        model_type=config.model_type,
+        num_layers=len(model.model.layers),
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=attn.head_dim,
+        vocab_size=config.vocab_size,
+        eos_token_ids=sorted(eos),
+        speculative_config=spec_fields,
+    )
+
+
+def example_inputs(info: ModelInfo, options: ExportOptions):
+    """Example tensors and dynamic shapes for tracing; sizes are distinct so no dimension specializes."""
+    import torch
+    from torch.export import Dim
+
+    batch, seq, ctx, keep, full_batch = 2, 3, 16, 2, 3
+    kv_rows = full_batch if options.continuous_batching else batch
+    batch_dim = Dim(contract.BATCH_SIZE, min=1)
+    seq_dim = Dim(contract.SEQ_LEN, min=1)
+    ctx_dim = Dim(contract.CTX_LEN, min=2)
+    rows_dim = Dim(contract.FULL_BATCH_SIZE, min=1) if options.continuous_batching else batch_dim
+    args = [torch.zeros(batch, seq, dtype=torch.int64), torch.arange(seq).repeat(batch, 1)]
+    shapes = [{0: batch_dim, 1: seq_dim}, {0: batch_dim, 1: seq_dim}]
+    rest, rest_shapes = [], []
+    if options.continuous_batching:
+        rest.append(torch.tensor([[2], [0]], dtype=torch.int64))
+        rest_shapes.append({0: batch_dim})
+    if options.speculative:
+        rest.append(torch.zeros(keep, 1, dtype=torch.int64))
+        rest_shapes.append({0: Dim(contract.NUM_LOGITS_TO_KEEP, min=1)})
+    for _ in range(2 * info.num_layers):
+        rest.append(torch.zeros(kv_rows, info.num_kv_heads, ctx, info.head_dim))
+        rest_shapes.append({0: rows_dim, 2: ctx_dim})
+    return (*args, *rest), (*shapes, tuple(rest_shapes))
+
+
+def trace_to_onnx(model, path: Path, options: ExportOptions, info: ModelInfo) -> None:
+    """Trace the KV-explicit wrapper with the dynamo exporter; weights go to ``<path>.data``."""
+    import torch
+
+    from qspec.export.wrapper import KVExplicitLM
+
+    wrapper = KVExplicitLM(
+        model, continuous_batching=options.continuous_batching, speculative=options.speculative
+    ).eval()
+    args, shapes = example_inputs(info, options)
+    with _quiet(), torch.no_grad():
+        try:
+            program = torch.onnx.export(
+                wrapper,
+                args,
+                input_names=contract.input_names(
+                    info.num_layers, continuous_batching=options.continuous_batching, speculative=options.speculative
+                ),
+                output_names=contract.output_names(info.num_layers),
+                dynamic_shapes=shapes,
+                dynamo=True,
+                opset_version=OPSET,
+                verbose=False,
+            )
+        except Exception as exc:  # the exporter's own errors are long; keep the first line
+            raise QSpecError(f"ONNX export failed: {str(exc).strip().splitlines()[0]}") from exc
+        program.save(str(path), external_data=True)
+
+
+def expected_dims(num_layers: int, options: ExportOptions, vocab_size: int) -> dict[str, list]:
+    """Dimension names (or sizes) of every graph input and output, per the contract."""
+    rows = contract.FULL_BATCH_SIZE if options.continuous_batching else contract.BATCH_SIZE
+    tokens = [contract.BATCH_SIZE, contract.SEQ_LEN]
+    dims = {contract.INPUT_IDS: tokens, contract.POSITION_IDS: tokens}
+    if options.continuous_batching:
+        dims[contract.BATCH_INDEX] = [contract.BATCH_SIZE, 1]
+    if options.speculative:
+        dims[contract.NUM_LOGITS_TO_KEEP] = [contract.NUM_LOGITS_TO_KEEP, 1]
+    kv = [rows, None, contract.CTX_LEN, None]  # None: a fixed size the contract does not name
+    dims |= {name: kv for name in contract.kv_names(num_layers)}
+    keep = contract.NUM_LOGITS_TO_KEEP if options.speculative else 1
+    dims[contract.LOGITS] = [contract.BATCH_SIZE, keep, vocab_size]
+    return dims | {contract.retained(name): kv for name in contract.kv_names(num_layers)}
+
+
+def graph_dims(path: Path) -> dict[str, list]:
+    """``{io name: [dim_param or dim_value, ...]}`` of a saved graph, without loading its weights."""
+    import onnx
+
+    proto = onnx.load(str(path), load_external_data=False)
+    return {
+        value.name: [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim]
+        for value in list(proto.graph.input) + list(proto.graph.output)
+    }
+
+
+def check_graph(path: Path, num_layers: int, options: ExportOptions) -> None:
+    """Full ``onnx.checker`` pass plus the contract's names and symbolic dimensions."""
+    import onnx
+
+    onnx.checker.check_model(str(path), full_check=True)
+    dims = graph_dims(path)
+    vocab = dims[contract.LOGITS][-1]
+    expected = expected_dims(num_layers, options, vocab)
+    assert list(dims) == list(expected), f"graph I/O {list(dims)} differs from the contract {list(expected)}"
+    for name, want in expected.items():
+        got = dims[name]
+        ok = len(got) == len(want) and all(w is None or w == g for w, g in zip(want, got))
+        assert ok, f"{name} has dims {got}, the contract says {want}"
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Keep the exporter's prints and warnings off the user's terminal (rich progress says enough)."""
+    torch_logger = logging.getLogger("torch")
+    level = torch_logger.level
+    torch_logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        torch_logger.setLevel(level)

@@ -1,0 +1,95 @@
+"""Load a Hugging Face causal LM and its tokenizer from a local folder, a ``.gguf`` file or a hub id."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from qspec.errors import ModelLoadError
+
+# Files of a model folder that decide what gets exported (weights, config, tokenizer).
+_MODEL_FILE_SUFFIXES = (".safetensors", ".bin", ".json", ".model", ".txt", ".jinja", ".gguf")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from: ``folder`` plus an optional ``gguf_file`` inside it, or a hub id."""
+
+    ref: str  # what the user typed
+    folder: Path | None
+    gguf_file: str | None = None
+
+    @property
+    def is_local(self) -> bool:
+        return self.folder is not None
+
+
+def resolve_source(model: str | os.PathLike) -> ModelSource:
+    """Classify ``model`` as a ``.gguf`` file, a local folder, or (otherwise) a hub id."""
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file '{model}' does not exist")
+        return ModelSource(str(model), path.resolve().parent, path.name)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"'{model}' is a folder without config.json; give a Hugging Face model folder")
+        return ModelSource(str(model), path.resolve())
+    if path.exists() or str(model).startswith((".", "/", "~")) or str(model).count("/") > 1:
+        raise ModelLoadError(f"'{model}' is neither a model folder, a .gguf file nor a hub id")
+    return ModelSource(str(model), None)
+
+
+def source_digest(source: ModelSource) -> str:
+    """SHA-256 over the bytes of every file that defines the model (hub ids hash their name)."""
+    digest = hashlib.sha256()
+    if not source.is_local:
+        digest.update(f"hub:{source.ref}".encode())
+        return digest.hexdigest()
+    if source.gguf_file:
+        files = [source.folder / source.gguf_file]
+    else:
+        files = sorted(p for p in source.folder.iterdir() if p.is_file() and p.suffix in _MODEL_FILE_SUFFIXES)
+    for file in files:
+        digest.update(file.name.encode())
+        with open(file, "rb") as handle:
+            while chunk := handle.read(1 << 24):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def load_model(source: ModelSource):
+    """Load ``(model, tokenizer)`` in fp32, eval mode. Errors say what to fix; nothing is downloaded offline."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    where = str(source.folder) if source.is_local else source.ref
+    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **kwargs)
+    except (OSError, ValueError) as exc:
+        if not source.is_local:
+            raise ModelLoadError(
+                f"could not load '{source.ref}' from the hub (offline or unknown id?); "
+                f"give a local model folder or a .gguf file instead ({_first_line(exc)})"
+            ) from exc
+        raise ModelLoadError(f"could not load model from '{where}': {_first_line(exc)}") from exc
+    _drop_quantizer(model)
+    return model.eval(), tokenizer
+
+
+def _drop_quantizer(model) -> None:
+    """A GGUF model is dequantized on load; forget the quantizer so it saves and traces as plain fp32."""
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.is_quantized = False
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

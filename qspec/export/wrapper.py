@@ -1,0 +1,222 @@
+"""A KV-explicit forward pass around a Hugging Face decoder, traced to the qspec ONNX contract.
+
+The wrapper reuses the model's own modules (embedding, projections, norms, MLP, LM head) and replaces
+only what the contract changes: the KV cache is a static ``ctx_len`` buffer per layer, passed in and
+returned (``..._RetainedState``), the KV of the call's tokens is written **at ``position_ids``**, and
+the attention mask comes from positions (query at position ``p`` sees slot ``j`` iff ``j <= p``).
+
+Padding tokens (``position_ids == PAD_POSITION``) write back the value a slot already holds, into a
+slot that no live token of the call writes: nothing visible changes and nothing is written outside
+``[0, ctx_len)``. Live tokens of one row must sit at consecutive positions (they always do: a prefill
+chunk, or ``[last_token, d_1..d_n]``).
+
+What differs between architectures lives in a small :class:`Adapter`; adding a family is adding one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from qspec.errors import UnsupportedModelError
+
+# RoPE variants whose frequencies do not depend on the sequence length, so one graph serves all.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def _no_window(config, layer_idx: int, attn: nn.Module) -> int | None:
+    return None
+
+
+def _config_window(config, layer_idx: int, attn: nn.Module) -> int | None:
+    return getattr(config, "sliding_window", None)
+
+
+def _layer_window(config, layer_idx: int, attn: nn.Module) -> int | None:
+    return getattr(attn, "sliding_window", None)
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """What one model family does differently from Llama."""
+
+    family: str
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
+    window: Callable[..., int | None] = _no_window  # sliding window of a layer, or None
+
+
+ADAPTERS: dict[str, Adapter] = {
+    "llama": Adapter("llama"),
+    "mistral": Adapter("mistral", window=_config_window),
+    "qwen2": Adapter("qwen2", window=_layer_window),
+    "qwen3": Adapter("qwen3", qk_norm=True, window=_layer_window),
+}
+
+
+def supported_families() -> str:
+    return ", ".join(sorted(ADAPTERS))
+
+
+def adapter_for(config) -> Adapter:
+    """The adapter of ``config``'s family, or an error naming what is supported."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in ADAPTERS:
+        archs = ", ".join(getattr(config, "architectures", None) or []) or model_type
+        raise UnsupportedModelError(
+            f"model type '{model_type}' ({archs}) is not supported; supported: {supported_families()}"
+        )
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"RoPE type '{rope_type}' changes with the sequence length and cannot be compiled to static "
+            f"shapes; supported RoPE types: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    return ADAPTERS[model_type]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+class KVExplicitLM(nn.Module):
+    """``forward(input_ids, position_ids, [batch_index], [num_logits_to_keep], *kv) -> logits, *kv'``."""
+
+    def __init__(self, model: nn.Module, *, continuous_batching: bool, speculative: bool):
+        super().__init__()
+        self.model = model
+        self.config = model.config
+        self.adapter = adapter_for(model.config)
+        self.continuous_batching = continuous_batching
+        self.speculative = speculative
+        decoder = model.model
+        self.layers = decoder.layers
+        self.num_layers = len(decoder.layers)
+        rotary = decoder.rotary_emb
+        self.register_buffer("inv_freq", rotary.inv_freq.detach().float().clone(), persistent=False)
+        self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
+        attn = decoder.layers[0].self_attn
+        self.head_dim = attn.head_dim
+        self.num_heads = model.config.num_attention_heads
+        self.num_kv_heads = model.config.num_key_value_heads
+        self.windows = [
+            self.adapter.window(model.config, i, layer.self_attn) for i, layer in enumerate(decoder.layers)
+        ]
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *rest: torch.Tensor):
+        rest = list(rest)
+        batch_index = rest.pop(0) if self.continuous_batching else None  # [batch, 1]
+        num_logits = rest.pop(0).shape[0] if self.speculative else 1
+        assert len(rest) == 2 * self.num_layers, f"expected {2 * self.num_layers} KV inputs, got {len(rest)}"
+
+        batch, seq = input_ids.shape
+        valid = position_ids >= 0  # [batch, seq]
+        steps = torch.arange(seq, dtype=torch.int64)
+        key_pos = torch.arange(rest[0].shape[2], dtype=torch.int64)  # [ctx_len]
+        slots = _write_slots(position_ids, valid, steps, key_pos[-1:] + 1)  # [batch, seq]
+        query_pos = torch.where(valid, position_ids, torch.zeros_like(position_ids))
+        cos, sin = self._rope_tables(query_pos)  # [batch, 1, seq, head_dim]
+
+        hidden = self.model.model.embed_tokens(input_ids)  # [batch, seq, hidden]
+        new_kv = []
+        for i, layer in enumerate(self.layers):
+            mask = _visible(query_pos, key_pos, self.windows[i])  # [batch, 1, 1, seq, ctx]
+            kv = (rest[2 * i], rest[2 * i + 1])
+            residual = hidden
+            attn_out, kv = self._attention(
+                layer, layer.input_layernorm(hidden), cos, sin, mask, kv, slots, valid, batch_index
+            )
+            hidden = residual + attn_out
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            new_kv.extend(kv)
+
+        # Logits of the last `num_logits` real tokens of each row (right-padded rows).
+        last = (valid.to(torch.int64) * steps).amax(dim=1, keepdim=True)  # [batch, 1]
+        keep = (last - (num_logits - 1) + torch.arange(num_logits, dtype=torch.int64)).clamp(min=0)
+        picked = hidden.gather(1, keep.unsqueeze(-1).expand(batch, num_logits, hidden.shape[-1]))
+        logits = self.model.lm_head(self.model.model.norm(picked)).float()  # [batch, keep, vocab]
+        return (logits, *new_kv)
+
+    def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.unsqueeze(-1).float() * self.inv_freq  # [batch, seq, head_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.rope_scaling).unsqueeze(1)
+        sin = (emb.sin() * self.rope_scaling).unsqueeze(1)
+        return cos, sin
+
+    def _attention(self, layer, x, cos, sin, mask, kv, slots, valid, batch_index):
+        attn = layer.self_attn
+        batch, seq, _ = x.shape
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        q = attn.q_proj(x).view(batch, seq, heads, dim)
+        k = attn.k_proj(x).view(batch, seq, kv_heads, dim)
+        v = attn.v_proj(x).view(batch, seq, kv_heads, dim)
+        if self.adapter.qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q = _rope(q.transpose(1, 2), cos, sin)  # [batch, heads, seq, dim]
+        k = _rope(k.transpose(1, 2), cos, sin).to(kv[0].dtype)  # [batch, kv_heads, seq, dim]
+        v = v.transpose(1, 2).to(kv[1].dtype)
+
+        keys, new_keys = _write(kv[0], k, slots, valid, batch_index)
+        values, new_values = _write(kv[1], v, slots, valid, batch_index)
+
+        groups = heads // kv_heads
+        q = q.reshape(batch, kv_heads, groups, seq, dim)
+        scores = torch.matmul(q, keys.unsqueeze(2).transpose(-1, -2).to(q.dtype)) * attn.scaling
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)  # [batch, kv, groups, seq, ctx]
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        out = torch.matmul(probs, values.unsqueeze(2).to(q.dtype))  # [batch, kv, groups, seq, dim]
+        out = out.reshape(batch, heads, seq, dim).transpose(1, 2).reshape(batch, seq, heads * dim)
+        return attn.o_proj(out), (new_keys, new_values)
+
+
+def _write_slots(position_ids, valid, steps, ctx_len: torch.Tensor):
+    """Slot each token writes: its position if live; for padding a slot no live token of the row writes.
+
+    Live tokens of a row sit at consecutive positions ``p0 .. p0 + n - 1`` from step ``s0``; padding at
+    step ``s`` takes the virtual position ``p0 - s0 + s`` modulo ``ctx_len``. Those ``seq <= ctx_len``
+    virtual positions are distinct, so padding never lands on a slot a live token writes. Example,
+    ctx 8, positions ``[6, 7, -1]`` -> slots ``[6, 7, 0]``; positions ``[-1, -1]`` -> ``[0, 1]``.
+    """
+    offset = torch.where(valid, position_ids - steps, torch.full_like(position_ids, -(2**62)))
+    anchor = offset.amax(dim=1, keepdim=True)  # [batch, 1]
+    anchor = torch.where(anchor < 0, torch.zeros_like(anchor), anchor)
+    virtual = torch.remainder(anchor + steps, ctx_len)
+    return torch.where(valid, position_ids, virtual)
+
+
+def _write(buffer, new, slots, valid, batch_index):
+    """Write ``new`` [batch, kv, seq, dim] into ``buffer`` at ``slots``; padding rewrites old values.
+
+    Returns (the rows this call attends to, the updated full buffer).
+    """
+    batch, kv_heads, seq, dim = new.shape
+    index = slots[:, None, :, None].expand(batch, kv_heads, seq, dim)
+    live = valid[:, None, :, None]
+    if batch_index is None:
+        value = torch.where(live, new, buffer.gather(2, index))
+        updated = buffer.scatter(2, index, value)
+        return updated, updated
+    rows = buffer.index_select(0, batch_index[:, 0])  # [batch, kv, ctx, dim]
+    value = torch.where(live, new, rows.gather(2, index))
+    rows = rows.scatter(2, index, value)
+    heads = torch.arange(kv_heads, dtype=torch.int64)
+    updated = buffer.index_put((batch_index[:, 0, None, None], heads[None, :, None], slots[:, None, :]), value)
+    return rows, updated
+
+
+def _visible(query_pos, key_pos, window: int | None):
+    """``mask[b, 0, 0, s, j]``: query at ``query_pos[b, s]`` may attend slot ``j``."""
+    q = query_pos[:, None, None, :, None]
+    mask = key_pos <= q
+    if window is not None:
+        mask = mask & (key_pos > q - window)
+    return mask

@@ -1,0 +1,90 @@
+"""Shared fixtures: tiny random models of every supported family, saved as real HF folders."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+VOCAB = 320  # 256 byte tokens + 3 specials fit below this
+
+
+def byte_tokenizer():
+    """A byte-level BPE tokenizer with no merges: every text encodes, vocabulary 259 tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {ch: i + 3 for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = (
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+    )
+    return fast
+
+
+def tiny_config(family: str, *, tie: bool = True, layers: int = 2):
+    """A small config of ``family`` with GQA (4 query heads, 2 KV heads)."""
+    from transformers import AutoConfig
+
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    if family == "mistral":
+        common["sliding_window"] = 6  # small, so the window matters in short tests
+    if family == "qwen3":
+        common["head_dim"] = 16
+    return AutoConfig.for_model(family, **common)
+
+
+def save_tiny_model(folder: Path, family: str, *, tie: bool = True, seed: int = 0, layers: int = 2) -> Path:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, tie=tie, layers=layers))
+    with torch.no_grad():  # larger weights than the default init, so logits are far from uniform
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.normal_(0, 0.3)
+    model.save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_cache(tmp_path_factory):
+    """Exports of tiny models go to a per-session cache; the real model's cache is kept across runs."""
+    if "QSPEC_CACHE_DIR" not in os.environ:
+        os.environ["QSPEC_CACHE_DIR"] = str(tmp_path_factory.mktemp("qspec-cache"))
+    yield
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """Factory: ``tiny_model(family, tie=True)`` -> folder of a saved tiny random model (cached per session)."""
+    made: dict[tuple, Path] = {}
+
+    def make(family: str = "llama", *, tie: bool = True, layers: int = 2) -> Path:
+        key = (family, tie, layers)
+        if key not in made:
+            folder = tmp_path_factory.mktemp(f"{family}-{'tied' if tie else 'untied'}-{layers}")
+            made[key] = save_tiny_model(folder, family, tie=tie, layers=layers)
+        return made[key]
+
+    return make

@@ -1,0 +1,224 @@
+"""Exporter: contract names and dims, logit parity with PyTorch, KV written at positions, padding, cache."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+
+from qspec import contract
+from qspec.errors import ModelLoadError, UnsupportedModelError
+from qspec.export import ExportOptions, export_model
+from qspec.export.exporter import ONNX_FILE, graph_dims
+from tests.conftest import FAMILIES
+
+CTX = 16
+TOL = 1e-4
+
+
+class Graph:
+    """Runs an exported graph on ORT with the KV buffers held as numpy arrays between calls."""
+
+    def __init__(self, folder, meta, rows: int):
+        self.session = ort.InferenceSession(str(folder / ONNX_FILE), providers=["CPUExecutionProvider"])
+        info = meta.model
+        shape = (rows, info.num_kv_heads, CTX, info.head_dim)
+        self.kv = {name: np.zeros(shape, np.float32) for name in contract.kv_names(info.num_layers)}
+        self.speculative = meta.options.speculative
+
+    def run(self, ids, pos, *, keep: int = 1, batch_index=None):
+        feeds = {contract.INPUT_IDS: np.array(ids, np.int64), contract.POSITION_IDS: np.array(pos, np.int64)}
+        if batch_index is not None:
+            feeds[contract.BATCH_INDEX] = np.array(batch_index, np.int64).reshape(-1, 1)
+        if self.speculative:
+            feeds[contract.NUM_LOGITS_TO_KEEP] = np.zeros((keep, 1), np.int64)
+        outputs = self.session.run(None, feeds | self.kv)
+        self.kv = dict(zip(self.kv, outputs[1:]))
+        return outputs[0]  # [batch, keep, vocab]
+
+
+def reference_logits(folder, tokens):
+    """Logits of the PyTorch model over the whole sequence (no cache): [len, vocab]."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].numpy()
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_model):
+    """Factory: (model folder, export folder, meta) for a family and export options, cached per module."""
+    cache = {}
+
+    def make(family="llama", *, tie=True, **options):
+        key = (family, tie, tuple(sorted(options.items())))
+        if key not in cache:
+            folder = tiny_model(family, tie=tie)
+            cache[key] = (folder, *export_model(folder, ExportOptions(**options)))
+        return cache[key]
+
+    return make
+
+
+@pytest.mark.parametrize("family,tie", [(f, True) for f in FAMILIES] + [("llama", False), ("qwen2", False)])
+def test_parity_prefill_decode_and_rejected_draft(exported, family, tie):
+    """Chunked prefill, 1-token decode and a K+1 decode over stale slots match PyTorch within 1e-4."""
+    model_dir, folder, meta = exported(family, tie=tie)
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(3, 259, size=7).tolist()
+    graph = Graph(folder, meta, rows=1)
+    # Prefill in chunks of 4: [0..3], then [4..6] + one padding token.
+    first = graph.run([prompt[:4]], [[0, 1, 2, 3]], keep=4)[0]
+    second = graph.run([prompt[4:] + [0]], [[4, 5, 6, -1]], keep=3)[0]
+    ref = reference_logits(model_dir, prompt)
+    np.testing.assert_allclose(first, ref[:4], atol=TOL)
+    np.testing.assert_allclose(second, ref[4:7], atol=TOL)  # right-aligned on the 3 real tokens
+
+    # A K=4 verify call with random drafts at positions 7..11: all five logits match.
+    drafts = rng.integers(3, 259, size=4).tolist()
+    last = int(np.argmax(second[-1]))
+    verify = graph.run([[last] + drafts], [[7, 8, 9, 10, 11]], keep=5)[0]
+    np.testing.assert_allclose(verify, reference_logits(model_dir, prompt + [last] + drafts)[7:12], atol=TOL)
+
+    # Accept 2 drafts: slots 10, 11 now hold stale KV. The next call writes 10 and must not see 11.
+    accepted = prompt + [last] + drafts[:2]
+    bonus = int(np.argmax(verify[2]))
+    one = graph.run([[bonus]], [[10]], keep=1)[0]
+    np.testing.assert_allclose(one[0], reference_logits(model_dir, accepted + [bonus])[10], atol=TOL)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_decode_reaches_last_slot(exported, family):
+    """Decoding until the token at slot ctx_len - 1 keeps parity (mistral: window smaller than ctx)."""
+    model_dir, folder, meta = exported(family)
+    tokens = np.random.default_rng(2).integers(3, 259, size=CTX).tolist()
+    graph = Graph(folder, meta, rows=1)
+    graph.run([tokens[:12]], [list(range(12))], keep=1)
+    outs = [graph.run([[t]], [[p]], keep=1)[0, 0] for p, t in zip(range(12, CTX), tokens[12:])]
+    ref = reference_logits(model_dir, tokens)
+    np.testing.assert_allclose(np.stack(outs), ref[12:CTX], atol=TOL)  # last one is slot 15 = ctx_len - 1
+
+
+def test_padding_rows_never_touch_live_slots(exported):
+    """A fully padded row and a padded tail change no slot a live token can see, in any row."""
+    model_dir, folder, meta = exported("llama")
+    rng = np.random.default_rng(3)
+    a, b = rng.integers(3, 259, size=(2, 6)).tolist()
+    graph = Graph(folder, meta, rows=2)
+    graph.run([a[:4], b[:4]], [[0, 1, 2, 3], [0, 1, 2, 3]], keep=1)
+    before = {k: v.copy() for k, v in graph.kv.items()}
+    # Row 0 decodes two tokens; row 1 is all padding (a finished sequence), at the buffer's end too.
+    out = graph.run([a[4:6], [0, 0]], [[4, 5], [-1, -1]], keep=2)
+    np.testing.assert_allclose(out[0], reference_logits(model_dir, a)[4:6], atol=TOL)
+    for name, value in graph.kv.items():
+        np.testing.assert_array_equal(value[1], before[name][1])  # row 1: nothing changed at all
+        np.testing.assert_array_equal(value[0, :, :4], before[name][0, :, :4])  # row 0: history intact
+    # Row 1 resumes after the padded call: its logits are as if the padding never happened.
+    out = graph.run([[0, 0], [b[4], 0]], [[-1, -1], [4, -1]], keep=1)
+    np.testing.assert_allclose(out[1, 0], reference_logits(model_dir, b[:5])[4], atol=TOL)
+
+
+def test_padding_at_last_slot_stays_inside_buffer(exported):
+    """A live token on slot ctx_len - 1 followed by padding writes nothing out of range or over history."""
+    model_dir, folder, meta = exported("llama")
+    tokens = np.random.default_rng(4).integers(3, 259, size=CTX).tolist()
+    graph = Graph(folder, meta, rows=1)
+    graph.run([tokens[:15]], [list(range(15))], keep=1)
+    before = {k: v.copy() for k, v in graph.kv.items()}
+    out = graph.run([[tokens[15], 0, 0]], [[15, -1, -1]], keep=1)
+    np.testing.assert_allclose(out[0, 0], reference_logits(model_dir, tokens)[15], atol=TOL)
+    for name, value in graph.kv.items():
+        np.testing.assert_array_equal(value[0, :, :15], before[name][0, :, :15])
+
+
+def test_continuous_batching_variant(exported):
+    """batch_index routes a batch-1 prefill into its KV row and a full decode reads every row right."""
+    model_dir, folder, meta = exported("qwen2", continuous_batching=True)
+    dims = graph_dims(folder / ONNX_FILE)
+    assert dims[contract.BATCH_INDEX] == [contract.BATCH_SIZE, 1]
+    assert dims[contract.past_key(0)][0] == contract.FULL_BATCH_SIZE
+    rng = np.random.default_rng(5)
+    seqs = rng.integers(3, 259, size=(3, 5)).tolist()
+    graph = Graph(folder, meta, rows=3)
+    for row in (2, 0):  # rows 2 and 0 get prompts; row 1 stays empty
+        graph.run([seqs[row][:4]], [[0, 1, 2, 3]], keep=1, batch_index=[row])
+    out = graph.run([[seqs[0][4]], [0], [seqs[2][4]]], [[4], [-1], [4]], keep=1, batch_index=[0, 1, 2])
+    np.testing.assert_allclose(out[0, 0], reference_logits(model_dir, seqs[0])[4], atol=TOL)
+    np.testing.assert_allclose(out[2, 0], reference_logits(model_dir, seqs[2])[4], atol=TOL)
+    assert not any(np.any(v[1]) for v in graph.kv.values())  # the empty row was never written
+
+
+def test_non_speculative_graph_keeps_one_logit(exported):
+    """Without num_logits_to_keep the graph returns the last real token's logits only."""
+    model_dir, folder, meta = exported("llama", speculative=False)
+    assert contract.NUM_LOGITS_TO_KEEP not in graph_dims(folder / ONNX_FILE)
+    tokens = np.random.default_rng(6).integers(3, 259, size=5).tolist()
+    out = Graph(folder, meta, rows=1).run([tokens + [0]], [[0, 1, 2, 3, 4, -1]])
+    assert out.shape == (1, 1, 320)
+    np.testing.assert_allclose(out[0, 0], reference_logits(model_dir, tokens)[4], atol=TOL)
+
+
+def test_symbolic_dims_are_specialization_keys(exported):
+    """Every symbolic dimension of the graph is one of the specialization keys, and vice versa."""
+    from qspec.specializations import Specialization
+
+    _, folder, _ = exported("llama", continuous_batching=True)
+    params = {d for dims in graph_dims(folder / ONNX_FILE).values() for d in dims if isinstance(d, str)}
+    assert params == set(contract.SPECIALIZATION_KEYS) == set(Specialization.model_fields)
+
+
+def test_graph_loads_with_every_dimension_fixed(exported):
+    """ORT loads the graph with all symbolic dims overridden (a static session) and runs it."""
+    _, folder, meta = exported("llama")
+    options = ort.SessionOptions()
+    for name, value in {"batch_size": 1, "seq_len": 5, "ctx_len": CTX, "num_logits_to_keep": 5}.items():
+        options.add_free_dimension_override_by_name(name, value)
+    session = ort.InferenceSession(str(folder / ONNX_FILE), options, providers=["CPUExecutionProvider"])
+    logits = [o for o in session.get_outputs() if o.name == contract.LOGITS][0]
+    assert logits.shape == [1, 5, 320]
+
+
+def test_export_is_cached_and_atomic(exported, tmp_path):
+    """A second export returns the cached folder; no temporary folder is left behind."""
+    model_dir, folder, meta = exported("llama")
+    again, meta2 = export_model(model_dir, ExportOptions())
+    assert again == folder and meta2 == meta
+    assert not [p for p in folder.parent.iterdir() if p.name.startswith(".tmp-")]
+    assert json.loads((folder / "export.json").read_text())["model"]["num_layers"] == 2
+
+
+def test_interrupted_export_leaves_nothing(tiny_model, tmp_path, monkeypatch):
+    """An export that fails midway leaves no folder that a later run would take as valid."""
+    import qspec.export.exporter as exporter
+
+    def boom(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(exporter, "check_graph", boom)
+    with pytest.raises(KeyboardInterrupt):
+        export_model(tiny_model("llama"), ExportOptions(num_layers=1), cache_dir=tmp_path)
+    assert list((tmp_path / "exports").iterdir()) == []
+
+
+def test_unsupported_architecture_names_supported_ones(tmp_path):
+    """A GPT-2 folder is refused with the list of supported families."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from tests.conftest import byte_tokenizer
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=320)).save_pretrained(tmp_path)
+    byte_tokenizer().save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match="'gpt2'.*supported: llama, mistral, qwen2, qwen3"):
+        export_model(tmp_path, cache_dir=tmp_path / "cache")
+
+
+def test_missing_model_and_offline_hub_errors(tmp_path):
+    """A missing file and an unknown hub id give one-line errors that say what to give instead."""
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        export_model(tmp_path / "nope.gguf", cache_dir=tmp_path)
+    with pytest.raises(ModelLoadError, match="local model folder or a .gguf"):
+        export_model("no-such-org-qspec/no-such-model", cache_dir=tmp_path)
