@@ -157,6 +157,15 @@ class Specialization(FrozenModel):
         """
         return self.seq_len - 1
 
+    def symbols(self) -> dict[str, int]:
+        """``{dimension name: size}`` of the keys this shape sets, in wire order."""
+        values = self.model_dump()
+        return {key: values[key] for key in WIRE_KEYS if values[key] is not None}
+
+    def describe(self) -> str:
+        """``batch_size=1 seq_len=5 ctx_len=128 num_logits_to_keep=5``: for messages and logs."""
+        return " ".join(f"{key}={value}" for key, value in self.symbols().items())
+
     def to_wire(self) -> dict[str, str]:
         """The vendor's flat, string-valued form, in :data:`WIRE_KEYS` order, without ``None``s."""
         values = self.model_dump()

@@ -1,0 +1,145 @@
+"""The embedded backend: ONNX Runtime on the CPU, one static-shape session per specialization.
+
+Facts that shape this module (measured on the 2-core machines, see DESIGN.md):
+
+- Each session that loads its own weights costs ≈ 0.6 GB, so the weights are read **once** into
+  OrtValues and handed to every session with ``add_initializer``; weight pre-packing is switched off
+  because it would give every session a private re-laid-out copy of every MatMul weight again.
+- Per-session thread pools spin while idle and steal the cores from the session that runs, so all
+  sessions share ONNX Runtime's global thread pool.
+- Every dimension of a session is fixed (``add_free_dimension_override_by_name``) from its
+  specialization: the static shapes the vendor compiler would build.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from qspec import contract
+from qspec.errors import CompileError
+from qspec.specializations import Specialization
+
+PROVIDERS = ["CPUExecutionProvider"]
+_global_pool_lock = threading.Lock()
+_global_pool_threads: int | None = None
+
+
+def use_global_thread_pool(num_threads: int | None = None) -> int:
+    """Size ONNX Runtime's global thread pool once per process; returns the size in use.
+
+    The pool is created with the first session, so only the first call decides; later calls with
+    another size get the size already in use.
+    """
+    global _global_pool_threads
+    import os
+
+    with _global_pool_lock:
+        if _global_pool_threads is None:
+            threads = num_threads or len(os.sched_getaffinity(0))
+            ort.capi._pybind_state.set_global_thread_pool_sizes(threads, 1)
+            _global_pool_threads = threads
+        return _global_pool_threads
+
+
+def load_weights(onnx_path: Path) -> dict[str, ort.OrtValue]:
+    """Every external-data initializer of the graph as an OrtValue, to share between sessions."""
+    import onnx
+    from onnx.external_data_helper import uses_external_data
+    from onnx.numpy_helper import to_array
+
+    proto = onnx.load(str(onnx_path), load_external_data=False)
+    base = onnx_path.parent
+    weights: dict[str, ort.OrtValue] = {}
+    for tensor in proto.graph.initializer:
+        if not uses_external_data(tensor):
+            continue
+        onnx.external_data_helper.load_external_data_for_tensor(tensor, str(base))
+        weights[tensor.name] = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(to_array(tensor)))
+        tensor.ClearField("raw_data")
+    return weights
+
+
+def session_options(
+    spec: Specialization | None,
+    weights: Mapping[str, ort.OrtValue],
+    *,
+    spinning: bool = True,
+    num_threads: int | None = None,
+) -> ort.SessionOptions:
+    """Options of one session: global pool, shared weights, every dimension of ``spec`` fixed."""
+    use_global_thread_pool(num_threads)
+    options = ort.SessionOptions()
+    options.use_per_session_threads = False
+    options.log_severity_level = 3
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+    if weights:
+        options.add_session_config_entry("session.disable_prepacking", "1")
+        for name, value in weights.items():
+            options.add_initializer(name, value)
+    if spec is not None:
+        for key, value in spec.symbols().items():
+            options.add_free_dimension_override_by_name(key, value)
+    return options
+
+
+def create_session(
+    onnx_path: Path,
+    spec: Specialization | None,
+    weights: Mapping[str, ort.OrtValue],
+    *,
+    spinning: bool = True,
+) -> ort.InferenceSession:
+    """A session of ``onnx_path`` for ``spec``; a failure names the specialization."""
+    try:
+        return ort.InferenceSession(
+            str(onnx_path), session_options(spec, weights, spinning=spinning), providers=PROVIDERS
+        )
+    except Exception as exc:  # ORT raises plain RuntimeErrors / Fail
+        where = f"specialization {spec.describe()}" if spec else "the dynamic graph"
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CompileError(f"ONNX Runtime could not load {where}: {first}") from exc
+
+
+def static_dims(session: ort.InferenceSession) -> dict[str, list]:
+    """``{io name: dims}`` as the session sees them: all integers when every dimension is fixed."""
+    return {value.name: list(value.shape) for value in session.get_inputs() + session.get_outputs()}
+
+
+def check_static(session: ort.InferenceSession, spec: Specialization) -> None:
+    """Fail when a dimension of the session is still symbolic after fixing ``spec``'s keys."""
+    for name, dims in static_dims(session).items():
+        if not all(isinstance(d, int) for d in dims):
+            raise CompileError(
+                f"specialization {spec.describe()} leaves {name} with dims {dims}: the graph has a "
+                "symbolic dimension that is not a specialization key"
+            )
+
+
+def zero_feeds(session: ort.InferenceSession, spec: Specialization) -> dict[str, np.ndarray]:
+    """Inputs of the specialization's shapes: token 0, positions 0.., rows on their own slots."""
+    feeds = {}
+    for value in session.get_inputs():
+        dtype = np.int64 if value.type == "tensor(int64)" else np.float32
+        feeds[value.name] = np.zeros(value.shape, dtype=dtype)
+    feeds[contract.POSITION_IDS] = np.tile(np.arange(spec.seq_len, dtype=np.int64), (spec.batch_size, 1))
+    if contract.BATCH_INDEX in feeds:
+        feeds[contract.BATCH_INDEX] = np.arange(spec.batch_size, dtype=np.int64)[:, None]
+    return feeds
+
+
+def smoke_run(session: ort.InferenceSession, spec: Specialization, vocab_size: int) -> None:
+    """One call on zeros: the logits must have the specialization's shape and be finite."""
+    outputs = session.run([contract.LOGITS], zero_feeds(session, spec))
+    keep = spec.num_logits_to_keep or 1
+    want = (spec.batch_size, keep if spec.seq_len > 1 or keep > 1 else 1, vocab_size)
+    logits = outputs[0]
+    if logits.shape != want or not np.isfinite(logits).all():
+        raise CompileError(
+            f"specialization {spec.describe()} gave logits of shape {logits.shape} "
+            f"(finite: {bool(np.isfinite(logits).all())}); expected {want}"
+        )

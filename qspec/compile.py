@@ -1,0 +1,197 @@
+"""``qspec compile``: export (cached), build the specializations, prepare a backend, write a package.
+
+The package is built in a temporary sibling directory and moved into place only when complete; a
+package whose manifest records the same inputs (model digest, options, qspec version) is reused.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Callable
+
+from pydantic import Field
+
+from qspec import __version__
+from qspec.backends.qaic import QaicOptions, prepare_qaic
+from qspec.errors import QSpecError
+from qspec.package import (
+    MANIFEST,
+    ONNX_FILE,
+    SPECIALIZATIONS_FILE,
+    TOKENIZER_DIR,
+    Backend,
+    Manifest,
+    ModelEntry,
+    SessionCheck,
+    dump_manifest,
+    copy_file,
+    read_manifest,
+    write_package_atomic,
+)
+from qspec.specializations import (
+    FrozenModel,
+    SpecFormat,
+    SpecializationConfig,
+    build_specializations,
+    check_model_speculative_config,
+    write_specializations,
+)
+
+Progress = Callable[[str], None]
+
+
+class CompileOptions(FrozenModel):
+    """Everything ``qspec compile`` takes besides the model and the output folder."""
+
+    specialization: SpecializationConfig
+    spec_format: SpecFormat = "flat"
+    backend: Backend = "ort"
+    qaic: QaicOptions = Field(default_factory=QaicOptions)
+    num_layers: int | None = Field(default=None, ge=1)  # keep the first N layers (a draft model)
+
+
+def default_output(model: str | os.PathLike[str], options: CompileOptions) -> Path:
+    """``packages/<model name>-k<Ks>[-fbs<F>]`` under the working directory."""
+    name = Path(str(model).rstrip("/")).name.removesuffix(".gguf")
+    ks = "_".join(str(k) for k in options.specialization.num_speculative_tokens)
+    fbs = options.specialization.full_batch_size
+    suffix = f"-fbs{fbs}" if fbs else ""
+    layers = f"-l{options.num_layers}" if options.num_layers else ""
+    return Path("packages") / f"{name}{layers}-k{ks}{suffix}"
+
+
+def _inputs_key(digest: str, options: CompileOptions) -> str:
+    payload = json.dumps({"digest": digest, "options": options.model_dump(mode="json"), "qspec": __version__})
+    return hashlib.sha256(payload.encode()).hexdigest()[:24]
+
+
+def compile_package(
+    model: str | os.PathLike[str],
+    options: CompileOptions,
+    *,
+    output: str | os.PathLike[str] | None = None,
+    progress: Progress | None = None,
+    warn: Callable[[str], None] | None = None,
+    force: bool = False,
+) -> tuple[Path, Manifest, bool]:
+    """Compile ``model`` into a package; returns (package dir, manifest, reused).
+
+    Raises a QSpecError subclass (one line, with the fix) for bad options, unsupported models and
+    backend failures; nothing is left at ``output`` unless the package is complete.
+    """
+    from qspec.export import ExportOptions, export_model
+    from qspec.export.loader import resolve_source, source_digest
+
+    say = progress or (lambda message: None)
+    warn = warn or (lambda message: None)
+    start = time.perf_counter()
+    target = Path(output) if output is not None else default_output(model, options)
+
+    source = resolve_source(model)
+    say("hashing model files")
+    digest = source_digest(source)
+    key = _inputs_key(digest, options)
+    if not force and (target / MANIFEST).is_file():
+        try:
+            existing = read_manifest(target)
+        except QSpecError:
+            existing = None
+        if existing is not None and existing.inputs_key == key and (target / ONNX_FILE).is_file():
+            return target, existing, True
+
+    spec_config = options.specialization
+    export_options = ExportOptions(
+        continuous_batching=spec_config.continuous_batching,
+        speculative=spec_config.speculative,
+        num_layers=options.num_layers,
+    )
+    export_dir, meta = export_model(model, export_options, progress=say)
+    messages = check_model_speculative_config(meta.model.speculative_config, spec_config.num_speculative_tokens)
+    for message in messages:
+        warn(message)
+    specs = build_specializations(spec_config)
+    entry = ModelEntry(
+        source=meta.source,
+        digest=meta.digest,
+        export_key=meta.key,
+        model_type=meta.model.model_type,
+        num_layers=meta.model.num_layers,
+        num_kv_heads=meta.model.num_kv_heads,
+        head_dim=meta.model.head_dim,
+        vocab_size=meta.model.vocab_size,
+        kv_dtype=meta.model.kv_dtype,
+        eos_token_ids=meta.model.eos_token_ids,
+        continuous_batching=export_options.continuous_batching,
+        speculative=export_options.speculative,
+        truncated_layers=options.num_layers,
+    )
+
+    def build(folder: Path) -> None:
+        say("writing the package")
+        for path in sorted(export_dir.glob(ONNX_FILE + "*")):
+            copy_file(path, folder / path.name)
+        shutil.copytree(export_dir / TOKENIZER_DIR, folder / TOKENIZER_DIR)
+        write_specializations(specs, folder / SPECIALIZATIONS_FILE, fmt=options.spec_format)
+        checks, qaic = [], None
+        if options.backend == "ort":
+            checks = check_ort(folder / ONNX_FILE, specs, entry.vocab_size, progress=say)
+        else:
+            say("preparing the qaic-compile command")
+            qaic = prepare_qaic(
+                folder,
+                onnx_path=folder / ONNX_FILE,
+                specializations_path=folder / SPECIALIZATIONS_FILE,
+                num_layers=entry.num_layers,
+                options=options.qaic,
+            )
+        manifest = Manifest(
+            inputs_key=key,
+            created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            model=entry,
+            config=spec_config,
+            specializations=specs,
+            spec_format=options.spec_format,
+            backend=options.backend,
+            ort_checks=checks,
+            qaic=qaic,
+            versions={**meta.versions, "onnxruntime": _ort_version(), "export_seconds": str(meta.export_seconds)},
+            compile_seconds=round(time.perf_counter() - start, 2),
+            warnings=messages,
+        )
+        dump_manifest(manifest, folder)
+
+    write_package_atomic(target, build)
+    return target, read_manifest(target), False
+
+
+def check_ort(onnx_path: Path, specs, vocab_size: int, *, progress: Progress) -> list[SessionCheck]:
+    """Load and run one static-shape session per specialization, one at a time; any failure raises."""
+    from qspec.backends import ort as ort_backend
+
+    checks = []
+    for spec in specs:
+        progress(f"checking a static session for {spec.describe()}")
+        begin = time.perf_counter()
+        session = ort_backend.create_session(onnx_path, spec, {}, spinning=False)
+        loaded = time.perf_counter() - begin
+        ort_backend.check_static(session, spec)
+        begin = time.perf_counter()
+        ort_backend.smoke_run(session, spec, vocab_size)
+        ran = time.perf_counter() - begin
+        checks.append(
+            SessionCheck(specialization=spec, ok=True, load_seconds=round(loaded, 2), run_ms=round(ran * 1000, 1))
+        )
+        del session
+    return checks
+
+
+def _ort_version() -> str:
+    import onnxruntime
+
+    return onnxruntime.__version__

@@ -1,0 +1,182 @@
+"""A compiled package: the directory ``qspec compile`` writes and the runtime loads.
+
+::
+
+    <package>/
+      manifest.json          what was compiled, from what, with which options and versions
+      model.onnx(+.data)     the KV-explicit graph and its weights
+      specializations.json   the vendor's flat (or named) specialization file
+      tokenizer/             tokenizer.json, tokenizer_config.json (chat template)
+      custom_io.yaml, compile_qaic.sh, qpc/   backend "qaic" only
+
+This module imports neither torch nor the exporter: a package runs with onnxruntime and numpy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from qspec.errors import PackageError
+from qspec.specializations import SpecFormat, Specialization, SpecializationConfig, read_specializations
+
+MANIFEST = "manifest.json"
+ONNX_FILE = "model.onnx"
+SPECIALIZATIONS_FILE = "specializations.json"
+TOKENIZER_DIR = "tokenizer"
+MANIFEST_VERSION = 1
+
+Backend = Literal["ort", "qaic"]
+
+
+class ModelEntry(BaseModel):
+    """The exported model, as the runtime needs it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    source: str
+    digest: str
+    export_key: str
+    model_type: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    kv_dtype: str = "float32"
+    eos_token_ids: list[int]
+    continuous_batching: bool
+    speculative: bool
+    truncated_layers: int | None = None
+
+
+class SessionCheck(BaseModel):
+    """One specialization's ONNX Runtime check at compile time."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    specialization: Specialization
+    ok: bool
+    load_seconds: float
+    run_ms: float
+
+
+class Manifest(BaseModel):
+    """Contents of ``manifest.json``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    manifest_version: int = MANIFEST_VERSION
+    inputs_key: str  # hash of everything the package was built from: equal key, reusable package
+    created: str
+    model: ModelEntry
+    config: SpecializationConfig
+    specializations: list[Specialization]
+    spec_format: SpecFormat
+    backend: Backend
+    ort_checks: list[SessionCheck] = Field(default_factory=list)
+    qaic: dict[str, Any] | None = None
+    versions: dict[str, str]
+    compile_seconds: float
+    warnings: list[str] = Field(default_factory=list)
+
+
+def read_manifest(package: str | os.PathLike[str]) -> Manifest:
+    """The manifest of ``package``, or a PackageError that says what is wrong and what to do."""
+    folder = Path(package)
+    hint = f"run `qspec compile` to (re)build {folder}"
+    if not folder.is_dir():
+        raise PackageError(f"package {folder} does not exist; {hint}")
+    path = folder / MANIFEST
+    if not path.is_file():
+        raise PackageError(f"{folder} is not a qspec package (no {MANIFEST}); {hint}")
+    try:
+        manifest = Manifest.model_validate_json(path.read_text())
+    except (ValidationError, ValueError, UnicodeDecodeError) as exc:
+        first = str(exc).strip().splitlines()[0]
+        raise PackageError(f"{path} is corrupt ({first}); {hint}") from None
+    if manifest.manifest_version != MANIFEST_VERSION:
+        raise PackageError(
+            f"{path} has manifest version {manifest.manifest_version}, this qspec reads "
+            f"{MANIFEST_VERSION}; {hint}"
+        )
+    return manifest
+
+
+def check_package(package: str | os.PathLike[str]) -> Manifest:
+    """Read the manifest and check that every file it relies on is there and agrees with it."""
+    folder = Path(package)
+    manifest = read_manifest(folder)
+    hint = f"run `qspec compile` to rebuild {folder}"
+    for name in (ONNX_FILE, SPECIALIZATIONS_FILE, f"{TOKENIZER_DIR}/tokenizer.json"):
+        if not (folder / name).is_file():
+            raise PackageError(f"package {folder} is missing {name}; {hint}")
+    onnx_size = (folder / ONNX_FILE).stat().st_size
+    if onnx_size == 0:
+        raise PackageError(f"{folder / ONNX_FILE} is empty; {hint}")
+    try:
+        specs = read_specializations(folder / SPECIALIZATIONS_FILE)
+    except Exception as exc:
+        raise PackageError(f"{folder / SPECIALIZATIONS_FILE}: {exc}; {hint}") from None
+    if specs != manifest.specializations:
+        raise PackageError(f"{folder / SPECIALIZATIONS_FILE} disagrees with {MANIFEST}; {hint}")
+    return manifest
+
+
+def write_package_atomic(target: Path, build: Callable[[Path], None]) -> None:
+    """Run ``build(tmp_dir)`` and move the result to ``target``; a failure leaves ``target`` as it was.
+
+    ``target`` may hold an older package (it is replaced) or not exist; anything else there is
+    refused, so a typo in ``--output`` never deletes a user's folder.
+    """
+    target = Path(target).absolute()
+    if target.exists() and not (target / MANIFEST).is_file():
+        if not target.is_dir() or any(target.iterdir()):
+            raise PackageError(
+                f"{target} exists and is not a qspec package; choose another --output or remove it"
+            )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    old = None
+    try:
+        build(tmp)
+        if target.exists():
+            old = target.parent / f".{target.name}.old-{os.getpid()}"
+            os.replace(target, old)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not target.exists():
+            os.replace(old, target)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def copy_file(source: Path, target: Path) -> None:
+    """Copy ``source`` to ``target``; not a hard link: onnx refuses external data with several links."""
+    shutil.copyfile(source, target)
+
+
+def dump_manifest(manifest: Manifest, folder: Path) -> None:
+    (folder / MANIFEST).write_text(manifest.model_dump_json(indent=2) + "\n")
+
+
+def manifest_summary(manifest: Manifest) -> dict[str, Any]:
+    """A short, JSON-able view of a manifest for CLI output."""
+    return json.loads(
+        json.dumps(
+            {
+                "model": manifest.model.source,
+                "backend": manifest.backend,
+                "specializations": [s.symbols() for s in manifest.specializations],
+                "compile_seconds": manifest.compile_seconds,
+            }
+        )
+    )

@@ -1,0 +1,375 @@
+"""Speculative decoding on a compiled package: prefill, then [propose → pick K → verify → accept]*.
+
+Terms, used the same way everywhere:
+
+- **proposed**: draft tokens a proposer offers for a sequence in one step (``d_1..d_n``);
+- **accepted**: the longest prefix of the drafts the target agrees with;
+- **bonus**: the one token the target adds after the accepted drafts (always one per call);
+- **position** of a sequence: how many of its tokens are in the KV cache; its ``last`` token (the
+  newest one) is not yet, and is the first token of the next call.
+
+One decode step for the live sequences of the batch::
+
+    drafts = propose(seq)                     per sequence, cut to the context and token budget
+    K      = pick_k(max(len(drafts)))         the smallest compiled K that covers every draft
+    logits = verify(K, [last, d_1..d_n])      one call of the seq_len = K + 1 specialization
+    accept(seq, logits)                       accepted drafts + bonus; positions advance; no KV copy
+
+Rows with fewer drafts than K, and slots with no live sequence, are padded with PAD_POSITION:
+the graph writes nothing a live token can see for them. Greedy output is token-for-token the
+output of plain greedy decoding of the same model.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from qspec import contract
+from qspec.errors import ConfigError, PromptTooLongError
+from qspec.runtime.metrics import EngineMetrics, RequestMetrics, aggregate
+from qspec.runtime.model import CompiledModel, SessionMode
+from qspec.runtime.proposers import Proposer, make_proposer
+from qspec.runtime.sampling import SamplingParams, accept_greedy, accept_sampled, make_rng, process_logits
+from qspec.runtime.tokenizer import TextStream, Tokenizer
+from qspec.package import TOKENIZER_DIR
+
+Prompt = str | Sequence[int] | list[dict[str, str]]
+TextCallback = Callable[[int, str], None]  # (request index, new text)
+
+
+@dataclass
+class RequestOutput:
+    """What one request produced."""
+
+    index: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" (EOS or a stop string), "length" (max_new_tokens or ctx_len)
+    metrics: RequestMetrics
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "prompt_tokens": len(self.prompt_token_ids),
+            "token_ids": self.token_ids,
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "metrics": self.metrics.to_dict(),
+        }
+
+
+@dataclass
+class _Sequence:
+    """A request in flight."""
+
+    index: int
+    prompt: list[int]
+    params: SamplingParams
+    slot: int = -1
+    position: int = 0
+    last: int = -1
+    output: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stream: TextStream | None = None
+    rng: np.random.Generator | None = None
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_new_tokens - len(self.output)
+
+
+def pick_k(ks: Sequence[int], proposed: int) -> int:
+    """The smallest compiled K that covers ``proposed`` drafts (the largest K if none does).
+
+    ``pick_k([0, 4], 0) == 0``, ``pick_k([0, 4], 2) == 4``, ``pick_k([1, 4], 0) == 1``.
+    """
+    i = bisect.bisect_left(ks, proposed)
+    return ks[min(i, len(ks) - 1)]
+
+
+class Engine:
+    """Generate with speculative decoding from a compiled package on ONNX Runtime (CPU).
+
+    >>> engine = Engine("packages/SmolLM2-135M-Instruct.Q4_1-k0_4", method="pld")
+    >>> out = engine.generate(["def add(a, b):"], SamplingParams(max_new_tokens=32))
+    >>> out[0].text, engine.last_metrics.output_tokens_per_s
+    """
+
+    def __init__(
+        self,
+        package: str | Path,
+        *,
+        method: str = "pld",
+        session_mode: SessionMode = "shared",
+        spinning: bool = True,
+        num_threads: int | None = None,
+        max_batch_size: int | None = None,
+        force_accept: int | None = None,
+        proposer: Proposer | None = None,
+        **method_options: Any,
+    ):
+        """Load ``package``; ``method`` is ``none``, ``pld``, ``suffix``, ``user`` or ``draft``.
+
+        ``max_batch_size`` caps the sequences in flight (default: every KV slot of the package).
+        ``force_accept`` is a testing knob: accept exactly ``min(n, force_accept)`` drafts whatever
+        the target says (the output is then *not* the target's greedy output).
+        ``method_options`` go to the proposer (``prompt_lookup_min``, ``prompt_lookup_max``, ...).
+        """
+        self.model = CompiledModel(package, session_mode=session_mode, spinning=spinning, num_threads=num_threads)
+        self.tokenizer = Tokenizer(self.model.package / TOKENIZER_DIR)
+        self.method = method
+        self.proposer: Proposer = proposer or make_proposer(method, **method_options)
+        self.ks = self.model.ks
+        self.k_max = self.ks[-1] if method != "none" else 0
+        slots = self.model.rows
+        if max_batch_size is not None:
+            if not 1 <= max_batch_size <= slots:
+                raise ConfigError(f"max_batch_size {max_batch_size} must be in [1, {slots}] (the package's KV slots)")
+            slots = max_batch_size
+        self.num_slots = slots
+        if force_accept is not None and force_accept < 0:
+            raise ConfigError(f"force_accept {force_accept} must be >= 0")
+        self.force_accept = force_accept
+        eos = set(self.model.manifest.model.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self.last_metrics: EngineMetrics | None = None
+
+    # ------------------------------------------------------------------ prompts
+
+    def encode(self, prompt: Prompt, *, chat: bool = False) -> list[int]:
+        """Token ids of ``prompt``: text (raw or, with ``chat``, through the chat template), ids, or messages."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode_chat(prompt) if chat else self.tokenizer.encode(prompt)
+        if prompt and isinstance(prompt[0], dict):
+            return self.tokenizer.encode_chat(list(prompt))
+        return [int(t) for t in prompt]
+
+    def _check_fits(self, index: int, prompt: list[int]) -> None:
+        ctx = self.model.ctx_len
+        if not prompt:
+            raise ConfigError(f"prompt {index} is empty; give at least one token")
+        if len(prompt) > ctx:
+            raise PromptTooLongError(
+                f"prompt {index} has {len(prompt)} tokens but the package's ctx_len is {ctx}; "
+                f"shorten the prompt or compile with --ctx-len {len(prompt) + 128} or more"
+            )
+
+    # ------------------------------------------------------------------ phases
+
+    def prefill(self, group: list[_Sequence]) -> None:
+        """Run the prompts of ``group`` in chunks of ``prefill_seq_len``; sets each one's first token."""
+        bound = self.model.prefill
+        chunk = bound.spec.seq_len
+        rows = self._prefill_rows(group)
+        longest = max(len(seq.prompt) for seq in group)
+        for start in range(0, longest, chunk):
+            bound.reset()
+            for row, seq in rows:
+                piece = seq.prompt[start : start + chunk]
+                bound.input_ids[row, : len(piece)] = piece
+                bound.position_ids[row, : len(piece)] = np.arange(start, start + len(piece))
+            logits = self.model.run(bound)  # [rows, 1, vocab]: the last real token of each row
+            self.calls["prefill"] += 1
+            for row, seq in rows:
+                if start < len(seq.prompt) <= start + chunk:
+                    seq.position = len(seq.prompt)
+                    first = self._sample(seq, logits[row, :1])[0]
+                    seq.metrics.first_token(time.perf_counter())
+                    self._emit(seq, [first])
+
+    def _prefill_rows(self, group: list[_Sequence]) -> list[tuple[int, _Sequence]]:
+        """(row of the prefill call, sequence); sets ``batch_index`` under continuous batching."""
+        bound = self.model.prefill
+        if bound.batch_index is None:  # one KV row per call row: a sequence's row is its slot
+            return [(seq.slot, seq) for seq in group]
+        used = {seq.slot for seq in group}
+        spare = next(s for s in range(self.model.rows) if s not in used) if len(group) < bound.spec.batch_size else 0
+        # Padding rows point at a slot no live row of this call writes (they rewrite its old values).
+        bound.batch_index[:, 0] = spare
+        for row, seq in enumerate(group):
+            bound.batch_index[row, 0] = seq.slot
+        return list(enumerate(group))
+
+    def propose(self, seq: _Sequence) -> np.ndarray:
+        """Drafts for ``seq``, cut so that no position reaches ``ctx_len`` and no token is wasted."""
+        cap = min(self.k_max, self.model.ctx_len - 1 - seq.position, seq.remaining - 1)
+        if cap <= 0:
+            return np.zeros(0, dtype=np.int64)
+        return np.asarray(self.proposer.propose(seq.index, cap), dtype=np.int64)[:cap]
+
+    def verify(self, k: int, batch: list[tuple[_Sequence, np.ndarray]]) -> np.ndarray:
+        """One call of the ``seq_len = k + 1`` specialization; logits ``[rows, k + 1, vocab]``."""
+        bound = self.model.decode[k]
+        bound.reset()
+        for seq, drafts in batch:
+            n = len(drafts)
+            bound.input_ids[seq.slot, 0] = seq.last
+            bound.input_ids[seq.slot, 1 : n + 1] = drafts
+            bound.position_ids[seq.slot, : n + 1] = np.arange(seq.position, seq.position + n + 1)
+        self.calls[k] += 1
+        return self.model.run(bound)
+
+    def accept(self, seq: _Sequence, drafts: np.ndarray, logits: np.ndarray) -> list[int]:
+        """Accepted drafts plus the bonus, from this row's ``[n + 1, vocab]`` logits."""
+        n = len(drafts)
+        if self.force_accept is not None:
+            accepted = min(n, self.force_accept)
+            bonus = self._sample(seq, logits[accepted : accepted + 1])[0]
+            return [*drafts[:accepted].tolist(), bonus]
+        if seq.params.greedy:
+            accepted, bonus = accept_greedy(logits.argmax(axis=-1), drafts)
+        else:
+            probs = process_logits(logits, seq.params)
+            accepted, bonus = accept_sampled(probs, drafts, seq.rng)
+        return [*drafts[:accepted].tolist(), int(bonus)]
+
+    def step(self, live: list[_Sequence]) -> None:
+        """One decode step for every live sequence: propose, pick K, verify, accept."""
+        batch = [(seq, self.propose(seq)) for seq in live]
+        k = pick_k(self.ks, max(len(d) for _, d in batch))
+        batch = [(seq, d[:k]) for seq, d in batch]
+        logits = self.verify(k, batch)  # [rows, k + 1, vocab]
+        for seq, drafts in batch:
+            n = len(drafts)
+            row = logits[seq.slot, k - n : k + 1]  # right-aligned: the last n + 1 real tokens
+            tokens = self.accept(seq, drafts, row)
+            seq.metrics.target_call(k, proposed=n, accepted=len(tokens) - 1)
+            seq.position += len(tokens)  # `last` and the accepted drafts are now in the cache
+            self._emit(seq, tokens)
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def _sample(self, seq: _Sequence, logits: np.ndarray) -> list[int]:
+        if seq.params.greedy:
+            return [int(t) for t in logits.argmax(axis=-1)]
+        from qspec.runtime.sampling import sample_token
+
+        probs = process_logits(logits, seq.params)
+        return [sample_token(p, seq.rng) for p in probs]
+
+    def _emit(self, seq: _Sequence, tokens: list[int]) -> None:
+        """Append ``tokens`` until a stop; the last one kept becomes ``seq.last``."""
+        kept = []
+        for token in tokens:
+            kept.append(token)
+            seq.output.append(token)
+            if token in self.eos_token_ids and not seq.params.ignore_eos:
+                seq.finish_reason = "stop"
+                break
+            if seq.remaining <= 0:
+                seq.finish_reason = "length"
+                break
+        seq.last = kept[-1]
+        if seq.stream is not None:
+            new_text = seq.stream.push(kept)
+            if seq.params.stop and self._hit_stop(seq):
+                seq.finish_reason = "stop"
+                new_text = ""
+            if new_text and self._on_text is not None:
+                self._on_text(seq.index, new_text)
+        if seq.finish_reason is None and seq.position >= self.model.ctx_len:
+            seq.finish_reason = "length"  # `last` has no slot left to be written to
+        if seq.finish_reason is None:
+            self.proposer.extend(seq.index, kept)
+
+    def _hit_stop(self, seq: _Sequence) -> bool:
+        text = seq.stream.text
+        # Only the tail can hold a new match: the newest text plus the longest stop string.
+        for stop in seq.params.stop:
+            at = text.find(stop)
+            if at >= 0:
+                seq.stream.text = text[:at]
+                return True
+        return False
+
+    # ------------------------------------------------------------------ orchestration
+
+    def generate(
+        self,
+        prompts: Prompt | Iterable[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        chat: bool = False,
+        on_text: TextCallback | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt, up to ``num_slots`` in flight (continuous batching).
+
+        ``prompts``: a string, a list of token ids, chat messages, or a list of those.
+        ``params``: one :class:`SamplingParams` for all, or one per prompt (default: greedy, 128 tokens).
+        ``on_text(index, text)`` receives each request's text as it is generated.
+        Metrics of the call are in :attr:`last_metrics`.
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], (int, np.integer, dict))):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ConfigError(f"got {len(params)} sampling params for {len(prompts)} prompts; give one or one per prompt")
+        encoded = [self.encode(p, chat=chat) for p in prompts]
+        for i, ids in enumerate(encoded):
+            self._check_fits(i, ids)
+        self._on_text = on_text
+        self.calls: dict[Any, int] = {"prefill": 0, **{k: 0 for k in self.ks}}
+        start = time.perf_counter()
+        waiting = deque(
+            _Sequence(i, ids, p, stream=TextStream(self.tokenizer), rng=make_rng(p.seed))
+            for i, (ids, p) in enumerate(zip(encoded, params))
+        )
+        for seq in waiting:
+            seq.metrics.arrival = start
+        slots: list[_Sequence | None] = [None] * self.num_slots
+        done: list[_Sequence] = []
+        try:
+            while waiting or any(slots):
+                self._admit(waiting, slots, done)
+                live = [seq for seq in slots if seq is not None]
+                if live:
+                    self.step(live)
+                self._retire(slots, done)
+        finally:
+            for seq in [s for s in slots if s is not None]:
+                self.proposer.finish(seq.index)
+        wall = time.perf_counter() - start
+        outputs = [self._output(seq) for seq in sorted(done, key=lambda s: s.index)]
+        self.last_metrics = aggregate([o.metrics for o in outputs], wall, self.calls)
+        return outputs
+
+    def _admit(self, waiting: deque, slots: list, done: list) -> None:
+        """Move waiting requests into free slots and prefill them, ``batch_size`` per prefill call."""
+        per_call = self.model.prefill.spec.batch_size if self.model.continuous_batching else self.num_slots
+        while waiting and None in slots:
+            group = []
+            while waiting and None in slots and len(group) < per_call:
+                seq = waiting.popleft()
+                seq.slot = slots.index(None)
+                slots[seq.slot] = seq
+                self.proposer.start(seq.index, seq.prompt)
+                group.append(seq)
+            self.prefill(group)
+            self._retire(slots, done)
+
+    def _retire(self, slots: list, done: list) -> None:
+        now = time.perf_counter()
+        for i, seq in enumerate(slots):
+            if seq is not None and seq.finish_reason is not None:
+                seq.metrics.finish(now, len(seq.output))
+                self.proposer.finish(seq.index)
+                done.append(seq)
+                slots[i] = None
+
+    def _output(self, seq: _Sequence) -> RequestOutput:
+        text = seq.stream.text if seq.stream is not None else self.tokenizer.decode(seq.output)
+        return RequestOutput(seq.index, seq.prompt, seq.output, text, seq.finish_reason or "length", seq.metrics)
