@@ -128,6 +128,10 @@ class Engine:
         self.model = CompiledModel(package, session_mode=session_mode, spinning=spinning, num_threads=num_threads)
         self.tokenizer = Tokenizer(self.model.package / TOKENIZER_DIR)
         self.method = method
+        if proposer is None and method == "draft":
+            from qspec.runtime.draft import DraftProposer
+
+            proposer = DraftProposer(**method_options)
         self.proposer: Proposer = proposer or make_proposer(method, **method_options)
         self.ks = self.model.ks
         self.k_max = self.ks[-1] if method != "none" else 0
@@ -202,12 +206,23 @@ class Engine:
             bound.batch_index[row, 0] = seq.slot
         return list(enumerate(group))
 
-    def propose(self, seq: _Sequence) -> np.ndarray:
-        """Drafts for ``seq``, cut so that no position reaches ``ctx_len`` and no token is wasted."""
-        cap = min(self.k_max, self.model.ctx_len - 1 - seq.position, seq.remaining - 1)
-        if cap <= 0:
-            return np.zeros(0, dtype=np.int64)
-        return np.asarray(self.proposer.propose(seq.index, cap), dtype=np.int64)[:cap]
+    def draft_cap(self, seq: _Sequence) -> int:
+        """Most drafts ``seq`` may verify: no position may reach ``ctx_len``, no token past the budget."""
+        return max(0, min(self.k_max, self.model.ctx_len - 1 - seq.position, seq.remaining - 1))
+
+    def propose(self, live: list[_Sequence]) -> list[np.ndarray]:
+        """Drafts for every live sequence, each cut to its :meth:`draft_cap`.
+
+        A proposer with ``propose_batch([(request_id, cap), ...])`` (a draft model) drafts for the
+        whole batch at once; others are asked one sequence at a time.
+        """
+        caps = [self.draft_cap(seq) for seq in live]
+        batch_fn = getattr(self.proposer, "propose_batch", None)
+        if batch_fn is not None:
+            drafts = batch_fn([(seq.index, cap) for seq, cap in zip(live, caps)])
+        else:
+            drafts = [self.proposer.propose(seq.index, cap) if cap > 0 else () for seq, cap in zip(live, caps)]
+        return [np.asarray(d, dtype=np.int64)[:cap] for d, cap in zip(drafts, caps)]
 
     def verify(self, k: int, batch: list[tuple[_Sequence, np.ndarray]]) -> np.ndarray:
         """One call of the ``seq_len = k + 1`` specialization; logits ``[rows, k + 1, vocab]``."""
@@ -232,12 +247,14 @@ class Engine:
             accepted, bonus = accept_greedy(logits.argmax(axis=-1), drafts)
         else:
             probs = process_logits(logits, seq.params)
-            accepted, bonus = accept_sampled(probs, drafts, seq.rng)
+            draft_probs_fn = getattr(self.proposer, "draft_probs", None)  # a sampling draft model's q
+            draft_probs = draft_probs_fn(seq.index) if draft_probs_fn is not None else None
+            accepted, bonus = accept_sampled(probs, drafts, seq.rng, draft_probs)
         return [*drafts[:accepted].tolist(), int(bonus)]
 
     def step(self, live: list[_Sequence]) -> None:
         """One decode step for every live sequence: propose, pick K, verify, accept."""
-        batch = [(seq, self.propose(seq)) for seq in live]
+        batch = list(zip(live, self.propose(live)))
         k = pick_k(self.ks, max(len(d) for _, d in batch))
         batch = [(seq, d[:k]) for seq, d in batch]
         logits = self.verify(k, batch)  # [rows, k + 1, vocab]
@@ -357,6 +374,9 @@ class Engine:
                 seq.slot = slots.index(None)
                 slots[seq.slot] = seq
                 self.proposer.start(seq.index, seq.prompt)
+                configure = getattr(self.proposer, "configure", None)  # a draft model samples too
+                if configure is not None:
+                    configure(seq.index, seq.params, seq.rng)
                 group.append(seq)
             self.prefill(group)
             self._retire(slots, done)
