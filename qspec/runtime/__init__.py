@@ -1,0 +1,13 @@
+"""The runtime: speculative decoding on a compiled package with ONNX Runtime (no torch needed).
+
+>>> from qspec.runtime import Engine, SamplingParams
+>>> engine = Engine("packages/SmolLM2-135M-Instruct.Q4_1-k0_4", method="pld")
+>>> [out] = engine.generate("Rename x to y: x = 1; print(x)", SamplingParams(max_new_tokens=64), chat=True)
+>>> out.text, out.metrics.mean_accepted_tokens, engine.last_metrics.output_tokens_per_s
+"""
+
+from qspec.runtime.engine import Engine, RequestOutput, pick_k
+from qspec.runtime.metrics import EngineMetrics, RequestMetrics
+from qspec.runtime.sampling import SamplingParams
+
+__all__ = ["Engine", "EngineMetrics", "RequestMetrics", "RequestOutput", "SamplingParams", "pick_k"]

@@ -14,6 +14,8 @@ Each step thus emits ``num_accepted + 1`` tokens.
 from __future__ import annotations
 
 import numpy as np
+
+from qspec.specializations import FrozenModel
 from pydantic import BaseModel, ConfigDict, Field
 
 # --------------------------------------------------------------------------------------------
@@ -21,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 # --------------------------------------------------------------------------------------------
 
 
-class SamplingParams(BaseModel):
+class SamplingParams(FrozenModel):
     """How one request picks its tokens and when it stops."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")

@@ -1,0 +1,226 @@
+"""The ``qspec`` command line: a thin Typer layer that parses options and calls the library."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from qspec_cli.common import console, fail_on_errors, run_guarded, status
+
+app = typer.Typer(
+    name="qspec",
+    help="Ahead-of-time compiler and runtime for multi-specialization speculative decoding.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+KsOption = Annotated[
+    str, typer.Option("--num-speculative-tokens", "-k", help="Speculative lengths K to compile, e.g. 0,4.")
+]
+
+
+@app.callback()
+def _root(
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.", envvar="QSPEC_DEBUG")] = False,
+) -> None:
+    """Ahead-of-time compiler and runtime for multi-specialization speculative decoding."""
+    if debug:
+        os.environ["QSPEC_DEBUG"] = "1"
+
+
+@app.command()
+def compile(
+    model: Annotated[str, typer.Argument(help="Local Hugging Face model folder or .gguf file (or a hub id online).")],
+    num_speculative_tokens: KsOption = "0,4",
+    prefill_seq_len: Annotated[int, typer.Option(help="Tokens per prefill call.")] = 32,
+    ctx_len: Annotated[int, typer.Option(help="KV cache length (prompt + output).")] = 1024,
+    batch_size: Annotated[int, typer.Option(help="Rows per prefill call.")] = 1,
+    full_batch_size: Annotated[Optional[int], typer.Option(help="KV slots for continuous batching.")] = None,
+    spec_format: Annotated[str, typer.Option(help="specializations.json format: flat or named.")] = "flat",
+    backend: Annotated[str, typer.Option(help="ort (ONNX Runtime, CPU) or qaic (Qualcomm qaic-compile).")] = "ort",
+    num_layers: Annotated[Optional[int], typer.Option(help="Keep only the first N layers (a draft model).")] = None,
+    aic_hw_version: Annotated[str, typer.Option(help="qaic: -aic-hw-version.")] = "ai100",
+    num_cores: Annotated[int, typer.Option(help="qaic: -aic-num-cores.")] = 16,
+    num_devices: Annotated[int, typer.Option(help="qaic: devices (>1 writes a partition config).")] = 1,
+    mxfp6_matmul: Annotated[bool, typer.Option(help="qaic: -mxfp6-matmul.")] = False,
+    mos: Annotated[Optional[int], typer.Option(help="qaic: -mos.")] = None,
+    aic_enable_depth_first: Annotated[bool, typer.Option(help="qaic: -aic-enable-depth-first.")] = False,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Package directory to write.")] = None,
+    force: Annotated[bool, typer.Option(help="Rebuild even if an identical package exists.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the manifest summary as JSON.")] = False,
+) -> None:
+    """Export MODEL and compile one prefill + one decode specialization per K into a package."""
+
+    def work() -> None:
+        from qspec.backends.qaic import QaicOptions
+        from qspec.compile import CompileOptions, compile_package
+        from qspec.specializations import make_config
+
+        spec = make_config(
+            num_speculative_tokens=num_speculative_tokens,
+            prefill_seq_len=prefill_seq_len,
+            ctx_len=ctx_len,
+            batch_size=batch_size,
+            full_batch_size=full_batch_size,
+        )
+        options = CompileOptions.create(
+            specialization=spec,
+            spec_format=spec_format,
+            backend=backend,
+            qaic=QaicOptions.create(
+                aic_hw_version=aic_hw_version,
+                num_cores=num_cores,
+                num_devices=num_devices,
+                mxfp6_matmul=mxfp6_matmul,
+                mos=mos,
+                aic_enable_depth_first=aic_enable_depth_first,
+            ),
+            num_layers=num_layers,
+        )
+        with status("compiling") as say:
+            folder, manifest, reused = compile_package(
+                model, options, output=output, progress=say, warn=lambda m: console.print(f"[yellow]Warning:[/] {m}"), force=force
+            )
+        from qspec.package import manifest_summary
+
+        summary = manifest_summary(manifest) | {"package": str(folder), "reused": reused}
+        if as_json:
+            print(json.dumps(summary, indent=2))
+            return
+        verb = "reused" if reused else "wrote"
+        print(f"{verb} {folder} ({manifest.backend}, {len(manifest.specializations)} specializations, {manifest.compile_seconds} s)")
+        for spec in manifest.specializations:
+            print(f"  {spec.describe()}")
+        if manifest.qaic and not manifest.qaic.get("ran"):
+            print(f"qaic-compile not found: the command is in {folder / manifest.qaic['script']}")
+
+    run_guarded(work)
+
+
+@app.command()
+def specializations(
+    num_speculative_tokens: KsOption = "0,4",
+    prefill_seq_len: Annotated[int, typer.Option(help="Tokens per prefill call.")] = 32,
+    ctx_len: Annotated[int, typer.Option(help="KV cache length.")] = 128,
+    batch_size: Annotated[int, typer.Option(help="Rows per prefill call.")] = 1,
+    full_batch_size: Annotated[Optional[int], typer.Option(help="KV slots for continuous batching.")] = None,
+    spec_format: Annotated[str, typer.Option(help="flat or named.")] = "flat",
+    non_speculative: Annotated[bool, typer.Option(help="A graph without num_logits_to_keep (K=0 only).")] = False,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="File to write (default: stdout).")] = None,
+) -> None:
+    """Write specializations.json for the given shapes (no model needed)."""
+
+    def work() -> None:
+        from qspec.specializations import build_specializations, make_config, specializations_to_json, write_specializations
+
+        if spec_format not in ("flat", "named"):
+            from qspec.errors import ConfigError
+
+            raise ConfigError(f"--spec-format {spec_format!r}: use flat or named")
+        config = make_config(
+            num_speculative_tokens=num_speculative_tokens,
+            prefill_seq_len=prefill_seq_len,
+            ctx_len=ctx_len,
+            batch_size=batch_size,
+            full_batch_size=full_batch_size,
+            speculative=not non_speculative,
+        )
+        specs = build_specializations(config)
+        if output is None:
+            sys.stdout.write(specializations_to_json(specs, fmt=spec_format))
+        else:
+            write_specializations(specs, output, fmt=spec_format)
+            print(f"wrote {output} ({len(specs)} specializations)")
+
+    run_guarded(work)
+
+
+@app.command()
+def generate(
+    package: Annotated[Path, typer.Argument(help="A package directory written by `qspec compile`.")],
+    prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="One prompt.")] = None,
+    prompts_file: Annotated[
+        Optional[Path], typer.Option(help='JSONL file: one {"prompt": ...} (or "turns": [...]) per line.')
+    ] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Most tokens to generate per prompt.")] = 128,
+    method: Annotated[str, typer.Option(help="none, pld, suffix or draft.")] = "pld",
+    prompt_lookup_min: Annotated[int, typer.Option(help="pld: smallest n-gram to match.")] = 1,
+    prompt_lookup_max: Annotated[int, typer.Option(help="pld: largest n-gram to match.")] = 3,
+    draft_package: Annotated[Optional[Path], typer.Option(help="draft: the draft model's package.")] = None,
+    max_batch_size: Annotated[Optional[int], typer.Option(help="Sequences in flight (default: all KV slots).")] = None,
+    chat: Annotated[bool, typer.Option(help="Apply the tokenizer's chat template.")] = False,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
+    top_k: Annotated[int, typer.Option(help="0 = off.")] = 0,
+    top_p: Annotated[float, typer.Option(help="1 = off.")] = 1.0,
+    seed: Annotated[Optional[int], typer.Option(help="Sampling seed.")] = None,
+    stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print token ids, text and metrics per request as JSON.")] = False,
+) -> None:
+    """Generate text from a compiled package with speculative decoding."""
+
+    def work() -> None:
+        from qspec.errors import ConfigError
+        from qspec.runtime import Engine, SamplingParams
+        from qspec_cli.common import read_prompts
+
+        if (prompt is None) == (prompts_file is None):
+            raise ConfigError("give exactly one of --prompt TEXT or --prompts-file FILE.jsonl")
+        prompts = [prompt] if prompt is not None else read_prompts(prompts_file)
+        params = SamplingParams.create(
+            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop or []
+        )
+        knobs = {}
+        if method == "pld":
+            knobs = {"prompt_lookup_min": prompt_lookup_min, "prompt_lookup_max": prompt_lookup_max}
+        elif method == "draft":
+            if draft_package is None:
+                raise ConfigError("--method draft needs --draft-package DIR (compile one with `qspec compile --num-layers N`)")
+            knobs = {"draft_package": draft_package}
+        with status("loading the package"):
+            engine = Engine(package, method=method, max_batch_size=max_batch_size, **knobs)
+        stream = not as_json and len(prompts) == 1
+        on_text = (lambda i, text: (sys.stdout.write(text), sys.stdout.flush())) if stream else None
+        outputs = engine.generate(prompts, params, chat=chat, on_text=on_text)
+        metrics = engine.last_metrics
+        if as_json:
+            print(json.dumps({"requests": [o.to_dict() for o in outputs], "metrics": metrics.to_dict()}, indent=2))
+            return
+        if stream:
+            sys.stdout.write("\n")
+        else:
+            for out in outputs:
+                print(f"--- {out.index}\n{out.text}")
+        console.print(
+            f"[dim]{metrics.output_tokens} tokens in {metrics.wall_s:.2f} s: {metrics.output_tokens_per_s:.1f} tok/s, "
+            f"TTFT {metrics.ttft_ms_median:.0f} ms, TPOT {metrics.tpot_ms_median:.1f} ms, "
+            f"{metrics.mean_accepted_tokens:.2f} tokens/call, acceptance {metrics.acceptance_rate:.0%}, "
+            f"calls per K {metrics.calls}[/]"
+        )
+
+    run_guarded(work)
+
+
+def _register_optional() -> None:
+    """Commands that live in their own modules."""
+    try:
+        from qspec_cli.bench import bench
+    except ImportError:  # pragma: no cover - bench is part of the package; guard for partial installs
+        return
+    app.command()(bench)
+
+
+_register_optional()
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()
