@@ -115,11 +115,13 @@ class Engine:
         num_threads: int | None = None,
         max_batch_size: int | None = None,
         force_accept: int | None = None,
+        num_speculative_tokens: Sequence[int] | str | None = None,
         proposer: Proposer | None = None,
         **method_options: Any,
     ):
         """Load ``package``; ``method`` is ``none``, ``pld``, ``suffix``, ``user`` or ``draft``.
 
+        ``num_speculative_tokens`` restricts dispatch to a subset of the compiled Ks (default: all).
         ``max_batch_size`` caps the sequences in flight (default: every KV slot of the package).
         ``force_accept`` is a testing knob: accept exactly ``min(n, force_accept)`` drafts whatever
         the target says (the output is then *not* the target's greedy output).
@@ -134,6 +136,17 @@ class Engine:
             proposer = DraftProposer(**method_options)
         self.proposer: Proposer = proposer or make_proposer(method, **method_options)
         self.ks = self.model.ks
+        if num_speculative_tokens is not None:
+            from qspec.specializations import parse_num_speculative_tokens
+
+            subset = list(parse_num_speculative_tokens(num_speculative_tokens))
+            missing = [k for k in subset if k not in self.ks]
+            if missing:
+                raise ConfigError(
+                    f"num_speculative_tokens {missing} not compiled in this package (it has {self.ks}); "
+                    "pick from those or recompile with them"
+                )
+            self.ks = subset
         self.k_max = self.ks[-1] if method != "none" else 0
         slots = self.model.rows
         if max_batch_size is not None:
