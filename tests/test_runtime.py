@@ -1,0 +1,250 @@
+"""The runtime on tiny random models: speculative greedy output equals plain greedy, edge cases hold."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from qspec.compile import CompileOptions, compile_package
+from qspec.errors import ConfigError, PackageError, PromptTooLongError
+from qspec.runtime import Engine, SamplingParams, pick_k
+from qspec.specializations import make_config
+
+CTX = 64
+PROMPTS = [
+    [5, 6, 7, 8, 5, 6, 7, 8, 5, 6],  # repeats: prompt lookup finds drafts
+    [9, 10, 11, 12, 13, 9, 10, 11],
+    [20, 21, 22] * 5,
+    list(range(30, 60)),  # no repeats: nothing to propose
+    [40, 41, 40, 41, 40],
+]
+
+
+def compile_tiny(model, folder, ks, *, fbs=None, prefill=8, ctx=CTX):
+    options = CompileOptions(
+        specialization=make_config(num_speculative_tokens=ks, prefill_seq_len=prefill, ctx_len=ctx, full_batch_size=fbs)
+    )
+    package, _, _ = compile_package(model, options, output=folder)
+    return package
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def packages(model, tmp_path_factory):
+    """Packages of one tiny model: Ks [0,4], [4], [0,1,2,4,8] at batch 1, and [0,4] with 4 KV slots."""
+    root = tmp_path_factory.mktemp("packages")
+    return {
+        "0,4": compile_tiny(model, root / "k04", "0,4"),
+        "4": compile_tiny(model, root / "k4", "4"),
+        "0,1,2,4,8": compile_tiny(model, root / "kdense", "0,1,2,4,8"),
+        "cb": compile_tiny(model, root / "cb", "0,4", fbs=4),
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    """transformers greedy continuation of ``prompt`` (HF generate, no EOS stop)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model).eval()
+    cache = {}
+
+    def greedy(prompt: list[int], n: int) -> list[int]:
+        key = (tuple(prompt), n)
+        if key not in cache:
+            ids = torch.tensor([prompt])
+            out = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            cache[key] = out[0, len(prompt) :].tolist()
+        return cache[key]
+
+    return greedy
+
+
+def run(package, prompts, *, n=20, **engine_options):
+    engine = Engine(package, **engine_options)
+    outputs = engine.generate(prompts, SamplingParams(max_new_tokens=n, ignore_eos=True))
+    return [o.token_ids for o in outputs], engine
+
+
+def test_pick_k_is_the_smallest_covering_k():
+    """pick_k buckets a proposal length into the compiled Ks; longer proposals take the largest K."""
+    assert pick_k([0, 4], 0) == 0
+    assert pick_k([0, 4], 1) == 4  # one draft needs seq_len 2: K=4 is the smallest that covers it
+    assert pick_k([0, 4], 4) == 4
+    assert pick_k([0, 1, 2, 4, 8], 3) == 4
+    assert pick_k([4], 0) == 4  # nothing proposed and no K=0: the smallest K
+    assert pick_k([0, 4], 9) == 4
+
+
+@pytest.mark.parametrize("ks", ["0,4", "4", "0,1,2,4,8"])
+def test_speculative_greedy_equals_plain_greedy_and_transformers(packages, reference, ks):
+    """pld output of every K list equals `none` of the same package and transformers greedy."""
+    plain, _ = run(packages[ks], PROMPTS, method="none")
+    spec, engine = run(packages[ks], PROMPTS, method="pld")
+    assert spec == plain
+    for prompt, tokens in zip(PROMPTS, plain):
+        assert tokens == reference(prompt, 20)
+    assert engine.last_metrics.proposed > 0, "the repeating prompts must have produced drafts"
+    assert engine.last_metrics.accepted > 0
+
+
+def test_continuous_batching_equals_batch_one(packages, reference):
+    """4 KV slots, 5 requests of different lengths and budgets: each equals its batch-1 greedy run."""
+    engine = Engine(packages["cb"], method="pld")
+    budgets = [20, 7, 13, 3, 16]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in budgets]
+    outputs = engine.generate(PROMPTS, params)
+    for prompt, n, out in zip(PROMPTS, budgets, outputs):
+        assert out.token_ids == reference(prompt, n)
+        assert out.finish_reason == "length"
+    assert engine.last_metrics.calls["prefill"] >= 5  # the 5th request took a freed slot
+
+
+def test_every_row_padded_but_one(packages, reference):
+    """One request in a 4-slot package: three rows are padding in every call and change nothing."""
+    tokens, engine = run(packages["cb"], [PROMPTS[0]], method="pld")
+    assert tokens == [reference(PROMPTS[0], 20)]
+
+
+def test_partial_acceptance_then_longer_draft(packages, reference):
+    """Draft 2 right + 2 wrong (K=4, stale KV left), then 4 right: output is still exact greedy."""
+    prompt = PROMPTS[3]
+    truth = reference(prompt, 20)
+    steps = []
+
+    def drafts(request_id, history):
+        made = len(history) - len(prompt)  # tokens generated so far
+        steps.append(made)
+        if len(steps) == 1:
+            return [truth[made], truth[made + 1], 1, 1]  # 2 accepted, then rejected
+        return truth[made : made + 4]  # all accepted
+
+    engine = Engine(packages["0,4"], method="user", fn=drafts)
+    [out] = engine.generate([prompt], SamplingParams(max_new_tokens=20, ignore_eos=True))
+    assert out.token_ids == truth
+    assert out.metrics.accepted == out.metrics.proposed - 2  # only the two wrong drafts were rejected
+    assert steps[:2] == [1, 4]  # after prefill 1 token; then 2 accepted + bonus = 3 more
+
+
+def test_force_accept_knob_reaches_each_dispatch_path(packages):
+    """force_accept=1 accepts exactly one draft per call whatever the target says."""
+    engine = Engine(packages["0,4"], method="user", fn=lambda r, h: [7, 7, 7, 7], force_accept=1)
+    [out] = engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=9, ignore_eos=True))
+    assert out.metrics.accepted == out.metrics.target_calls
+    assert out.token_ids[1::2][:4] == [7, 7, 7, 7]  # every other token is the forced draft
+
+
+def test_sequence_reaches_the_last_context_slot(model, tmp_path, reference):
+    """A prompt of 50 tokens in ctx 64: generation stops at capacity, exact, drafts cut in time."""
+    package = compile_tiny(model, tmp_path / "pkg", "0,4")
+    prompt = [20, 21, 22] * 16 + [20, 21]
+    tokens, engine = run(package, [prompt], n=100, method="pld")
+    # positions 0..63 hold prompt + all but the last generated token: 64 - 50 + 1 tokens
+    assert len(tokens[0]) == CTX - len(prompt) + 1
+    assert tokens[0] == reference(prompt, CTX - len(prompt) + 1)
+
+
+def test_eos_inside_an_accepted_draft(packages, reference):
+    """The target accepts a draft that contains EOS: output stops at EOS, nothing after it."""
+    prompt = PROMPTS[3]
+    truth = reference(prompt, 20)
+    engine = Engine(packages["0,4"], method="user", fn=lambda r, h: truth[len(h) - len(prompt) :][:4])
+    engine.eos_token_ids = frozenset({truth[3]})
+    [out] = engine.generate([prompt], SamplingParams(max_new_tokens=20))
+    stop = truth.index(truth[3])
+    assert out.token_ids == truth[: stop + 1]
+    assert out.finish_reason == "stop"
+    assert out.metrics.target_calls == 1  # the first verify accepted up to and including EOS
+
+
+def test_prompt_longer_than_context_is_a_clear_error(packages):
+    """A prompt over ctx_len fails before any call, naming both lengths."""
+    engine = Engine(packages["0,4"], method="pld")
+    with pytest.raises(PromptTooLongError, match="70 tokens but the package's ctx_len is 64"):
+        engine.generate([list(range(3, 73))])
+
+
+def test_stop_string_and_text(packages):
+    """A stop string cuts the text where it starts and ends the request."""
+    engine = Engine(packages["0,4"], method="pld")
+    [full] = engine.generate(["abcabcabc"], SamplingParams(max_new_tokens=12, ignore_eos=True))
+    assert len(full.text) > 4
+    stop = full.text[2:4]
+    [cut] = engine.generate(["abcabcabc"], SamplingParams(max_new_tokens=12, ignore_eos=True, stop=[stop]))
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[: full.text.index(stop)]
+
+
+def test_chat_prompt_uses_the_template(packages):
+    """--chat renders the tokenizer's template before encoding."""
+    engine = Engine(packages["0,4"], method="none")
+    ids = engine.encode("hi", chat=True)
+    assert engine.tokenizer.decode(ids, skip_special_tokens=False) == "<s>user: hi</s><s>assistant: "
+
+
+def test_metrics_are_consistent(packages):
+    """Aggregates add up: calls per K sum to decode calls, acceptance within [0, 1]."""
+    _, engine = run(packages["0,1,2,4,8"], PROMPTS, method="pld")
+    m = engine.last_metrics
+    decode_calls = sum(v for k, v in m.calls.items() if k != "prefill")
+    assert decode_calls == m.sequence_calls  # batch 1: one sequence per call
+    assert 0 < m.acceptance_rate <= 1
+    assert m.mean_accepted_tokens == pytest.approx((m.accepted + m.sequence_calls) / m.sequence_calls, abs=1e-3)
+    assert m.output_tokens == 20 * len(PROMPTS)
+
+
+def test_subset_of_ks_and_unknown_method(packages):
+    """Dispatch can be limited to compiled Ks; other Ks and unknown methods are clear errors."""
+    tokens, engine = run(packages["0,1,2,4,8"], PROMPTS[:2], method="pld", num_speculative_tokens="0,4")
+    assert set(engine.last_metrics.calls) == {"prefill", "0", "4"}
+    with pytest.raises(ConfigError, match=r"\[3\] not compiled"):
+        Engine(packages["0,4"], num_speculative_tokens="0,3")
+    with pytest.raises(ConfigError, match="valid methods"):
+        Engine(packages["0,4"], method="magic")
+
+
+def test_sampling_is_reproducible_with_a_seed(packages):
+    """temperature > 0 with a seed gives the same tokens twice, and speculation keeps running."""
+    engine = Engine(packages["0,4"], method="pld")
+    params = SamplingParams(max_new_tokens=16, temperature=0.8, top_k=20, seed=7, ignore_eos=True)
+    a = engine.generate(PROMPTS, params)
+    b = engine.generate(PROMPTS, params)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+
+
+def test_corrupt_package_is_a_clear_error(packages, tmp_path):
+    """A package with a broken manifest or a missing graph names the problem and the fix."""
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(packages["0,4"], broken)
+    (broken / "manifest.json").write_text("{not json")
+    with pytest.raises(PackageError, match="corrupt.*qspec compile"):
+        Engine(broken)
+    manifest = json.loads((packages["0,4"] / "manifest.json").read_text())
+    (broken / "manifest.json").write_text(json.dumps(manifest))
+    (broken / "model.onnx").unlink()
+    with pytest.raises(PackageError, match="missing model.onnx"):
+        Engine(broken)
+    with pytest.raises(PackageError, match="does not exist"):
+        Engine(tmp_path / "nowhere")
+
+
+def test_runtime_does_not_import_torch(packages):
+    """A compiled package runs with onnxruntime and numpy only."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from qspec.runtime import Engine, SamplingParams;"
+        f"e = Engine({str(packages['0,4'])!r}); e.generate([[5, 6, 5, 6]], SamplingParams(max_new_tokens=4));"
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
