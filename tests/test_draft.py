@@ -121,6 +121,20 @@ def test_same_model_draft_accepts_everything(packages, cb, prefill_min_tokens):
         assert out.metrics.calls_per_k.get(4, 0) >= (n - 1) // 5
 
 
+@pytest.mark.parametrize("cb", [False, True], ids=["batch1", "fbs3"])
+def test_drafting_up_to_the_context_end(packages, cb):
+    """Requests that run into ctx_len: drafts are cut so no position reaches it, output unchanged."""
+    target, same = (packages["target_cb"], packages["same_cb"]) if cb else (packages["target"], packages["same"])
+    prompts = [list(range(3, 3 + CTX - 9)), list(range(100, 100 + CTX - 12))]
+    params = [SamplingParams(max_new_tokens=40, ignore_eos=True)] * 2
+    plain, outputs, _ = generate(target, "none", prompts, params)
+    drafted, _, engine = generate(target, "draft", prompts, params, draft_package=same)
+    assert drafted == plain
+    assert [o.finish_reason for o in outputs] == ["length", "length"]
+    assert [len(p) + len(t) for p, t in zip(prompts, plain)] == [CTX + 1, CTX + 1]  # the last token has no slot
+    assert engine.last_metrics.acceptance_rate == 1.0
+
+
 @pytest.mark.parametrize("force_accept", [0, 1, 3])
 def test_rollback_after_partial_acceptance(packages, force_accept):
     """Forced partial acceptance of a same-model draft still emits greedy tokens: the draft rolls back.
@@ -170,8 +184,12 @@ def test_sampled_draft_is_reproducible(packages):
     """Sampling with a seed gives the same tokens twice; another seed gives other tokens."""
 
     def run(seed):
-        params = [SamplingParams(temperature=0.9, top_k=50, seed=seed + i, max_new_tokens=16, ignore_eos=True) for i in range(4)]
-        tokens, _, engine = generate(packages["target_cb"], "draft", PROMPTS[:4], params, draft_package=packages["draft_b3"])
+        params = [
+            SamplingParams(temperature=0.9, top_k=50, seed=seed + i, max_new_tokens=16, ignore_eos=True)
+            for i in range(4)
+        ]
+        target, draft = packages["target_cb"], packages["draft_b3"]
+        tokens, _, engine = generate(target, "draft", PROMPTS[:4], params, draft_package=draft)
         return tokens, engine.last_metrics
 
     first, metrics = run(1)

@@ -162,6 +162,16 @@ class Engine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self.last_metrics: EngineMetrics | None = None
+        self.warmup()
+
+    def warmup(self) -> None:
+        """Run every specialization once on padding only, so the first request pays no set-up.
+
+        Padding rewrites values a slot already holds, so the cache is unchanged.
+        """
+        for bound in self.model.bindings.values():
+            bound.reset()
+            self.model.run(bound)
 
     # ------------------------------------------------------------------ prompts
 

@@ -1,0 +1,111 @@
+"""``qspec bench``: a thin Typer layer over :func:`qspec.bench.run_bench` with a progress bar on stderr."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from qspec_cli.common import console, run_guarded
+
+
+def bench(
+    model: Annotated[str, typer.Argument(help="A .gguf file, a Hugging Face model folder, or a compiled package.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Folder for report.json, report.md, throughput.png.")] = Path("bench-out"),
+    full: Annotated[
+        bool, typer.Option("--full", help="All 80 MT-bench prompts, batch sizes 1,2,4,8 (quick: 2 per category, 1,4).")
+    ] = False,
+    prompts: Annotated[Optional[Path], typer.Option(help="JSONL of prompts (default: MT-bench).")] = None,
+    per_category: Annotated[Optional[int], typer.Option(help="First N prompts of each category; 0 = all.")] = None,
+    turns: Annotated[Optional[int], typer.Option(help="1, or 2: MT-bench follow-ups with the first answer fed back.")] = None,
+    max_new_tokens: Annotated[Optional[int], typer.Option(help="Tokens per request (default 128).")] = None,
+    batch_sizes: Annotated[Optional[str], typer.Option(help="Max batch sizes, e.g. 1,4.")] = None,
+    methods: Annotated[Optional[str], typer.Option(help="Speculative methods besides none: pld,suffix,draft.")] = None,
+    k_lists: Annotated[Optional[str], typer.Option(help="K lists separated by ';', e.g. '4;0,4;0,1,2,4,8'.")] = None,
+    draft_package: Annotated[Optional[Path], typer.Option(help="Draft model package (adds method draft).")] = None,
+    baselines: Annotated[bool, typer.Option(help="Run the transformers baselines (batch 1).")] = True,
+    memory: Annotated[bool, typer.Option(help="Measure peak RSS per configuration, one process each.")] = True,
+    micro_iterations: Annotated[Optional[int], typer.Option(help="Calls per specialization in the micro-benchmark; 0 = skip.")] = None,
+    round_size: Annotated[Optional[int], typer.Option(help="Prompts per interleaving round.")] = None,
+    ctx_len: Annotated[Optional[int], typer.Option(help="KV cache length of the compiled packages.")] = None,
+    prefill_seq_len: Annotated[Optional[int], typer.Option(help="Tokens per prefill call.")] = None,
+    num_threads: Annotated[Optional[int], typer.Option(help="Threads for ONNX Runtime and torch (default: all cores).")] = None,
+    packages_dir: Annotated[Optional[Path], typer.Option(help="Where compiled packages are cached.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the whole report as JSON on stdout.")] = False,
+) -> None:
+    """Benchmark none / fixed K / variable K (and transformers) on a prompt set; write a report."""
+
+    def work() -> None:
+        from qspec.bench import full_options, quick_options, run_bench, write_report
+
+        overrides: dict[str, Any] = {
+            "prompts": prompts,
+            "turns": turns,
+            "max_new_tokens": max_new_tokens,
+            "batch_sizes": batch_sizes,
+            "methods": methods,
+            "k_lists": k_lists,
+            "micro_iterations": micro_iterations,
+            "round_size": round_size,
+            "ctx_len": ctx_len,
+            "prefill_seq_len": prefill_seq_len,
+            "num_threads": num_threads,
+            "packages_dir": packages_dir,
+        }
+        overrides = {key: value for key, value in overrides.items() if value is not None}
+        if per_category is not None:
+            overrides["per_category"] = per_category or None
+        if draft_package is not None:
+            overrides["draft_package"] = draft_package
+            if methods is None:
+                overrides["methods"] = "pld,suffix,draft"
+        options = (full_options if full else quick_options)(baselines=baselines, memory=memory, **overrides)
+        report = _run_with_progress(model, options, run_bench)
+        paths = write_report(report, output)
+        if as_json:
+            print(json.dumps(report, indent=2))
+            return
+        _print_summary(report, paths)
+
+    run_guarded(work)
+
+
+def _run_with_progress(model: str, options, run_bench) -> dict:
+    """A progress bar on a terminal; elsewhere (make, CI logs) one line per step."""
+    import time
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    if not console.is_terminal:
+        start = time.perf_counter()
+
+        def log(message: str, done: int, total: int) -> None:
+            console.print(f"[dim]{time.perf_counter() - start:7.1f}s[/] [{done}/{total}] {message}")
+
+        return run_bench(model, options, progress=log)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=False) as bar:
+        task = bar.add_task("starting", total=None)
+
+        def progress(message: str, done: int, total: int) -> None:
+            bar.update(task, description=message, completed=done, total=total)
+
+        return run_bench(model, options, progress=progress)
+
+
+def _print_summary(report: dict, paths: dict) -> None:
+    equality = report["equality"]
+    verdict = "equal" if equality["speculative_equal_none"] else "NOT equal"
+    print(f"speculative greedy outputs {verdict} to none's")
+    for s in report["configs"]:
+        o = s["overall"]
+        ratio = o.get("ratio_to_none")
+        versus = f"  {ratio:.2f}x none" if ratio else ""
+        print(f"  {s['key']:<24} {o['requests_per_s']:8.3f} req/s {o['output_tokens_per_s']:8.1f} tok/s{versus}")
+    for t in report["targets"]:
+        print(f"  [{t['status']}] {t['target']}: {t['measured']} (goal {t['goal']})")
+    for note in report["meta"]["notes"]:
+        console.print(f"[yellow]Note:[/] {note}")
+    print(f"wrote {paths['markdown']}, {paths['json']}, {paths['plot']} ({report['meta']['wall_s']} s)")

@@ -1,0 +1,160 @@
+"""``qspec bench``: the report of a small run on a tiny random model, the report math, and bad options."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from qspec.bench import (
+    BenchOptions,
+    add_ratios,
+    category_rates,
+    compare_outputs,
+    load_prompts,
+    plan_configs,
+    quick_options,
+    ratio,
+    rotated,
+    rounds,
+)
+from qspec.errors import ConfigError
+
+PROMPTS = [
+    {"question_id": 1, "category": "code", "turns": ["x = 1; y = x + x; print(y) # rename x to z", "Now in C."]},
+    {"question_id": 2, "category": "code", "turns": ["def add(a, b): return a + b", "Explain it."]},
+    {"question_id": 3, "category": "chat", "turns": ["Hello there, how are you today?", "And tomorrow?"]},
+    {"question_id": 4, "category": "chat", "turns": ["Tell me a story about a cat and a cat.", "Shorter."]},
+]
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "questions.jsonl"
+    path.write_text("\n".join(json.dumps(p) for p in PROMPTS) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def bench_run(tiny_model, prompts_file, tmp_path_factory):
+    """One small run through the CLI: batch 1 and 2, pld and suffix with [4] and [0,4], both turns."""
+    from qspec_cli.main import app
+
+    out = tmp_path_factory.mktemp("bench-out")
+    args = [
+        "bench", str(tiny_model("llama")), "--output", str(out), "--prompts", str(prompts_file),
+        "--per-category", "0", "--turns", "2", "--max-new-tokens", "12", "--batch-sizes", "1,2",
+        "--methods", "pld,suffix", "--k-lists", "4;0,4", "--micro-iterations", "2", "--round-size", "2",
+        "--ctx-len", "128", "--prefill-seq-len", "8", "--packages-dir", str(out / "packages"),
+    ]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    return out, json.loads((out / "report.json").read_text()), result.output
+
+
+def test_report_files_and_configs(bench_run):
+    """report.json, report.md and throughput.png exist; every configuration and baseline is reported."""
+    out, report, _ = bench_run
+    assert (out / "report.md").is_file() and (out / "throughput.png").stat().st_size > 0
+    keys = {s["key"] for s in report["configs"]}
+    for batch in (1, 2):
+        assert {f"none@{batch}", f"pld[4]@{batch}", f"pld[0,4]@{batch}", f"suffix[4]@{batch}", f"suffix[0,4]@{batch}"} <= keys
+    assert {"transformers@1", "transformers-pld[4]@1"} <= keys
+    none = next(s for s in report["configs"] if s["key"] == "none@1")
+    assert none["overall"]["requests"] == 8  # 4 prompts x 2 turns
+    assert set(none["per_category"]) == {"chat", "code"}
+    markdown = (out / "report.md").read_text()
+    for heading in ("## Targets", "## Per configuration", "## Per category, batch 1", "## One call per specialization", "## Memory"):
+        assert heading in markdown
+
+
+def test_speculative_outputs_equal_none(bench_run):
+    """Greedy speculative outputs equal none's, and the report says so."""
+    out, report, stdout = bench_run
+    assert report["equality"]["speculative_equal_none"] is True
+    assert "is **equal** to `none`'s" in (out / "report.md").read_text()
+    assert "outputs equal to none's" in stdout
+
+
+def test_report_has_targets_micro_and_memory(bench_run):
+    """Each target has a status; the micro-benchmark and the memory probes have numbers."""
+    _, report, _ = bench_run
+    assert all(t["status"] in ("PASS", "MISS", "n/a") for t in report["targets"])
+    assert any("peak RSS" in t["target"] and t["status"] != "n/a" for t in report["targets"])
+    calls = report["micro"]["packages"][0]["calls"]
+    assert [c["specialization"] for c in calls] == ["prefill", "K=0", "K=4"]
+    probe = report["memory"]["probes"]["pld[0,4]@1"]
+    assert probe["peak_rss_mb"] >= probe["rss_loaded_mb"] > 0
+    assert report["memory"]["ratio"] > 0
+
+
+def test_ratio_math():
+    """Ratios against none at the same batch size, overall and per category."""
+    assert ratio(3.0, 2.0) == 1.5
+    assert ratio(1.0, 0.0) is None and ratio(None, 1.0) is None
+    rows = [
+        {"category": "a", "output_tokens": 10, "e2e_s": 2.0},
+        {"category": "a", "output_tokens": 30, "e2e_s": 4.0},
+    ]
+    table = category_rates(rows)
+    assert table["a"]["requests_per_s"] == round(2 / 6, 4)  # 2 requests over 6 s of latency
+    assert table["a"]["output_tokens_per_s"] == round(40 / 6, 2)
+    summaries = [
+        {"method": "none", "batch": 1, "overall": {"requests_per_s": 2.0}, "per_category": {"a": {"requests_per_s": 1.0}}},
+        {"method": "pld", "batch": 1, "overall": {"requests_per_s": 3.0}, "per_category": {"a": {"requests_per_s": 1.5}}},
+        {"method": "pld", "batch": 4, "overall": {"requests_per_s": 9.0}, "per_category": {}},  # no none at batch 4
+    ]
+    add_ratios(summaries)
+    assert summaries[1]["overall"]["ratio_to_none"] == 1.5
+    assert summaries[1]["per_category"]["a"]["ratio_to_none"] == 1.5
+    assert "ratio_to_none" not in summaries[2]["overall"]
+
+
+def test_compare_outputs_reports_first_difference():
+    """[1, 2, 3] against [1, 2, 4] differs at token 2; equal lists count as equal."""
+    result = compare_outputs({"a": [1, 2, 3], "b": [5]}, {"a": [1, 2, 4], "b": [5]})
+    assert (result["equal"], result["total"]) == (1, 2)
+    assert result["mismatches"] == [{"request": "a", "first_difference_at": 2, "lengths": [3, 3]}]
+
+
+def test_rounds_and_rotation():
+    """Rounds cover every prompt once; each round starts one configuration later."""
+    assert [list(r) for r in rounds(5, 2)] == [[0, 1], [2, 3], [4]]
+    assert rotated(["a", "b", "c"], 1) == ["b", "c", "a"]
+    assert rotated(["a", "b", "c"], 4) == ["b", "c", "a"]
+
+
+def test_plan_and_prompts(prompts_file):
+    """Quick preset: none plus method x K list per batch size, then the two baselines; prompts per category."""
+    configs = plan_configs(quick_options(methods="pld", k_lists="4;0,4"))
+    assert [c.key for c in configs] == [
+        "none@1", "pld[4]@1", "pld[0,4]@1", "none@4", "pld[4]@4", "pld[0,4]@4", "transformers@1", "transformers-pld[4]@1",
+    ]
+    assert [p.id for p in load_prompts(prompts_file, per_category=1)] == ["1", "3"]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"batch_sizes": "0"}, "batch_sizes"),
+        ({"methods": "pld,beam"}, "beam"),
+        ({"k_lists": "4;a"}, "not an integer"),
+        ({"methods": "draft"}, "draft_package"),
+        ({"turns": 3}, "turns"),
+    ],
+)
+def test_bad_options(overrides, message):
+    """Bad options are one-line ConfigErrors naming the value."""
+    with pytest.raises(ConfigError, match=message):
+        BenchOptions.create(**overrides)
+
+
+def test_cli_bad_flag_is_a_clean_error(tmp_path):
+    """A bad flag value gives `Error: ...` and exit code 1, no traceback."""
+    from qspec_cli.main import app
+
+    result = CliRunner().invoke(app, ["bench", str(tmp_path), "--batch-sizes", "1,x", "--output", str(tmp_path / "out")])
+    assert result.exit_code == 1
+    assert "Error:" in result.output and "batch_sizes" in result.output
+    assert "Traceback" not in result.output
