@@ -154,6 +154,9 @@ class Engine:
                 raise ConfigError(f"max_batch_size {max_batch_size} must be in [1, {slots}] (the package's KV slots)")
             slots = max_batch_size
         self.num_slots = slots
+        check_target = getattr(self.proposer, "check_target", None)  # a draft model must fit the target
+        if check_target is not None:
+            check_target(vocab_size=self.model.vocab_size, ctx_len=self.model.ctx_len, num_slots=self.num_slots)
         if force_accept is not None and force_accept < 0:
             raise ConfigError(f"force_accept {force_accept} must be >= 0")
         self.force_accept = force_accept
