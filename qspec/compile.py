@@ -94,7 +94,6 @@ def compile_package(
     target = Path(output) if output is not None else default_output(model, options)
 
     source = resolve_source(model)
-    say("hashing model files")
     digest = source_digest(source)
     key = _inputs_key(digest, options)
     if not force and (target / MANIFEST).is_file():

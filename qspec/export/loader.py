@@ -65,8 +65,21 @@ def load_model(source: ModelSource):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from transformers import AutoConfig
+    from transformers.utils import logging as hf_logging
+
+    from qspec.export.wrapper import adapter_for
+
+    hf_logging.set_verbosity_error()  # qspec shows its own progress; keep transformers' bars off
+    hf_logging.disable_progress_bar()
     where = str(source.folder) if source.is_local else source.ref
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    try:
+        config = AutoConfig.from_pretrained(where, **kwargs)
+    except (OSError, ValueError) as exc:
+        config = None  # reported below, by the model load, with the same wording
+    if config is not None:
+        adapter_for(config)  # an unsupported family fails before the weights are read
     try:
         tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **kwargs)
