@@ -111,3 +111,35 @@ def test_compile_and_generate_end_to_end(tiny_model, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "abab"}\nnot json\n')
     assert_one_line_error(qspec("generate", str(out), "--prompts-file", str(prompts)), "p.jsonl:2")
+
+
+def test_compile_qaic_backend_with_stand_in_compiler(tiny_model, tmp_path):
+    """--backend qaic runs qaic-compile from PATH (a stand-in that checks its flags and files)."""
+    import os
+    from pathlib import Path
+
+    fake = Path(__file__).parent / "fake_qaic"
+    env = dict(os.environ, PATH=f"{fake}{os.pathsep}{os.environ['PATH']}")
+    env.pop("QAIC_COMPILE", None)
+    out = tmp_path / "qaic-pkg"
+    cmd = [sys.executable, "-m", "qspec", "compile", str(tiny_model("llama")), "-k", "0,4", "--ctx-len", "64",
+           "--backend", "qaic", "--num-cores", "14", "--mxfp6-matmul", "-o", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["qaic"]["ran"] is True
+    argv = manifest["qaic"]["argv"]
+    assert "-retained-state" in argv and "-mxfp6-matmul" in argv and "-aic-num-cores=14" in argv
+    assert (out / "custom_io.yaml").is_file() and (out / "compile_qaic.sh").is_file()
+    assert (out / "qpc" / "programqpc.bin").is_file()
+
+
+def test_identical_compile_is_reused(tiny_model, tmp_path):
+    """A second compile with the same inputs reuses the package; other Ks rebuild it."""
+    out = tmp_path / "pkg"
+    base = ["compile", str(tiny_model("llama")), "--ctx-len", "64", "--prefill-seq-len", "8", "-o", str(out)]
+    assert "wrote" in qspec(*base, "-k", "0,4").stdout
+    assert "reused" in qspec(*base, "-k", "4,0").stdout  # same Ks after sorting
+    rebuilt = qspec(*base, "-k", "0,2")
+    assert "wrote" in rebuilt.stdout
+    assert json.loads((out / "manifest.json").read_text())["config"]["num_speculative_tokens"] == [0, 2]
