@@ -154,6 +154,7 @@ def generate(
     prompt_lookup_max: Annotated[int, typer.Option(help="pld: largest n-gram to match.")] = 3,
     draft_package: Annotated[Optional[Path], typer.Option(help="draft: the draft model's package.")] = None,
     max_batch_size: Annotated[Optional[int], typer.Option(help="Sequences in flight (default: all KV slots).")] = None,
+    dispatch: Annotated[str, typer.Option(help="cover: smallest K covering the drafts; cost: most tokens per ms.")] = "cover",
     chat: Annotated[bool, typer.Option(help="Apply the tokenizer's chat template.")] = False,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
     top_k: Annotated[int, typer.Option(help="0 = off.")] = 0,
@@ -183,7 +184,7 @@ def generate(
                 raise ConfigError("--method draft needs --draft-package DIR (compile one with `qspec compile --num-layers N`)")
             knobs = {"draft_package": draft_package}
         with status("loading the package"):
-            engine = Engine(package, method=method, max_batch_size=max_batch_size, **knobs)
+            engine = Engine(package, method=method, max_batch_size=max_batch_size, dispatch=dispatch, **knobs)
         stream = not as_json and len(prompts) == 1
         on_text = (lambda i, text: (sys.stdout.write(text), sys.stdout.flush())) if stream else None
         outputs = engine.generate(prompts, params, chat=chat, on_text=on_text)

@@ -248,3 +248,14 @@ def test_runtime_does_not_import_torch(packages):
         "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_cost_dispatch_keeps_greedy_output(packages, reference):
+    """dispatch='cost' may cut drafts but never changes tokens, batch 1 and 4 slots."""
+    for package in (packages["0,1,2,4,8"], packages["cb"]):
+        tokens, engine = run(package, PROMPTS, method="pld", dispatch="cost")
+        for prompt, out in zip(PROMPTS, tokens):
+            assert out == reference(prompt, 20)
+        assert set(engine.call_ms) == set(engine.ks)
+    with pytest.raises(ConfigError, match="dispatch"):
+        Engine(packages["0,4"], dispatch="fastest")

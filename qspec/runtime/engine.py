@@ -34,6 +34,7 @@ import numpy as np
 
 from qspec import contract
 from qspec.errors import ConfigError, PromptTooLongError
+from qspec.runtime.dispatch import AcceptanceStats, pick_k_by_cost
 from qspec.runtime.metrics import EngineMetrics, RequestMetrics, aggregate
 from qspec.runtime.model import CompiledModel, SessionMode
 from qspec.runtime.proposers import Proposer, make_proposer
@@ -116,12 +117,15 @@ class Engine:
         max_batch_size: int | None = None,
         force_accept: int | None = None,
         num_speculative_tokens: Sequence[int] | str | None = None,
+        dispatch: str = "cover",
         proposer: Proposer | None = None,
         **method_options: Any,
     ):
         """Load ``package``; ``method`` is ``none``, ``pld``, ``suffix``, ``user`` or ``draft``.
 
         ``num_speculative_tokens`` restricts dispatch to a subset of the compiled Ks (default: all).
+        ``dispatch``: ``cover`` runs the smallest K covering the longest proposal; ``cost`` the K
+        with the most expected tokens per ms (see :mod:`qspec.runtime.dispatch`).
         ``max_batch_size`` caps the sequences in flight (default: every KV slot of the package).
         ``force_accept`` is a testing knob: accept exactly ``min(n, force_accept)`` drafts whatever
         the target says (the output is then *not* the target's greedy output).
@@ -164,17 +168,32 @@ class Engine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        if dispatch not in ("cover", "cost"):
+            raise ConfigError(f"dispatch {dispatch!r}: use cover or cost")
+        self.dispatch = dispatch
+        self.stats = AcceptanceStats(self.k_max)
         self.last_metrics: EngineMetrics | None = None
-        self.warmup()
+        self.call_ms = self.warmup()
 
-    def warmup(self) -> None:
-        """Run every specialization once on padding only, so the first request pays no set-up.
+    def warmup(self, repeats: int = 3) -> dict[int, float]:
+        """Run every specialization on padding only; returns the median ms of each decode K.
 
+        The first request then pays no set-up, and ``cost`` dispatch knows each call's price.
         Padding rewrites values a slot already holds, so the cache is unchanged.
         """
         for bound in self.model.bindings.values():
             bound.reset()
             self.model.run(bound)
+        costs = {}
+        for k in self.ks:
+            bound = self.model.decode[k]
+            times = []
+            for _ in range(repeats if self.dispatch == "cost" else 0):
+                begin = time.perf_counter()
+                self.model.run(bound)
+                times.append((time.perf_counter() - begin) * 1000)
+            costs[k] = float(np.median(times)) if times else float(k + 1)
+        return costs
 
     # ------------------------------------------------------------------ prompts
 
@@ -281,7 +300,11 @@ class Engine:
     def step(self, live: list[_Sequence]) -> None:
         """One decode step for every live sequence: propose, pick K, verify, accept."""
         batch = list(zip(live, self.propose(live)))
-        k = pick_k(self.ks, max(len(d) for _, d in batch))
+        lengths = [len(d) for _, d in batch]
+        if self.dispatch == "cost":
+            k = pick_k_by_cost(self.ks, self.call_ms, lengths, self.stats.chain())
+        else:
+            k = pick_k(self.ks, max(lengths))
         batch = [(seq, d[:k]) for seq, d in batch]
         logits = self.verify(k, batch)  # [rows, k + 1, vocab]
         for seq, drafts in batch:
@@ -289,6 +312,8 @@ class Engine:
             row = logits[seq.slot, k - n : k + 1]  # right-aligned: the last n + 1 real tokens
             tokens = self.accept(seq, drafts, row)
             seq.metrics.target_call(k, proposed=n, accepted=len(tokens) - 1)
+            if n:
+                self.stats.observe(n, len(tokens) - 1)
             seq.position += len(tokens)  # `last` and the accepted drafts are now in the cache
             self._emit(seq, tokens)
 

@@ -1,0 +1,62 @@
+"""Which compiled K a decode step runs.
+
+``cover`` (the default, DESIGN.md): the smallest K that covers the batch's longest proposal.
+
+``cost``: the K with the most expected tokens per millisecond, drafts cut to it. With several
+sequences in flight one long proposal would otherwise make every row pay for ``seq_len = K + 1``;
+on a CPU a batch-4 K=4 call costs about twice a K=0 call. Expected tokens use a running estimate of
+``c_i``, the chance that draft ``i`` is accepted given that drafts ``1..i-1`` were::
+
+    tokens(K) = Σ_rows [1 + Σ_{i ≤ min(n_row, K)} c_1 · … · c_i]       rate(K) = tokens(K) / cost(K)
+
+Example: Ks ``[0, 4]``, costs 40 / 80 ms, two rows with 4 and 0 drafts, every ``c_i = 0.5``:
+K=0 gives 2 tokens / 40 ms = 0.050; K=4 gives 2 + (0.5 + 0.25 + 0.125 + 0.0625) = 2.94 tokens /
+80 ms = 0.037, so K=0 runs and the drafts are dropped. With ``c_i = 0.9`` K=4 gives 5.10 / 80 =
+0.064 and wins. Cutting drafts never changes the output, only the speed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+PRIOR_ACCEPTED = 1.0  # a weak prior of c_i = 0.5 until drafts have been verified
+PRIOR_TRIED = 2.0
+
+
+def expected_tokens(lengths: Sequence[int], k: int, chain: np.ndarray) -> float:
+    """Tokens a call of K produces in expectation: one per row plus its accepted drafts.
+
+    ``chain[i - 1]`` is the chance that drafts ``1..i`` are all accepted.
+    """
+    gains = np.concatenate(([0.0], np.cumsum(chain)))
+    return float(sum(1.0 + gains[min(n, k, len(chain))] for n in lengths))
+
+
+def pick_k_by_cost(ks: Sequence[int], costs_ms: Mapping[int, float], lengths: Sequence[int], chain: np.ndarray) -> int:
+    """The compiled K with the highest expected tokens per ms (ties: the smaller K)."""
+    best_k, best_rate = ks[0], -1.0
+    for k in ks:
+        rate = expected_tokens(lengths, k, chain) / costs_ms[k]
+        if rate > best_rate + 1e-12:
+            best_k, best_rate = k, rate
+    return best_k
+
+
+class AcceptanceStats:
+    """Running estimate of ``c_i`` per draft position ``i`` (1-based) from verified steps."""
+
+    def __init__(self, k_max: int):
+        self.tried = np.full(max(k_max, 1), PRIOR_TRIED)
+        self.accepted = np.full(max(k_max, 1), PRIOR_ACCEPTED)
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        """Draft ``i`` was tried iff drafts before it were accepted: ``i <= accepted + 1``."""
+        tried = min(proposed, accepted + 1)
+        self.tried[:tried] += 1
+        self.accepted[:accepted] += 1
+
+    def chain(self) -> np.ndarray:
+        """``[P(d_1 accepted), P(d_1, d_2 accepted), ...]``."""
+        return np.cumprod(self.accepted / self.tried)

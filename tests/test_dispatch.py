@@ -1,0 +1,43 @@
+"""Cost-based dispatch: expected tokens per ms decide K, with hand-made costs and acceptance."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from qspec.runtime.dispatch import AcceptanceStats, expected_tokens, pick_k_by_cost
+
+COSTS = {0: 40.0, 4: 80.0}
+
+
+def test_expected_tokens_counts_one_per_row_plus_accepted_chain():
+    """Two rows with 4 and 0 drafts, c_i = 0.5: 2 + 0.5 + 0.25 + 0.125 + 0.0625."""
+    chain = np.cumprod([0.5] * 4)
+    assert expected_tokens([4, 0], 4, chain) == 2.9375
+    assert expected_tokens([4, 0], 0, chain) == 2.0
+    assert expected_tokens([4, 2], 1, chain) == 3.0  # each row cut to one draft: 2 + 0.5 + 0.5
+
+
+def test_low_acceptance_drops_the_drafts():
+    """At c_i = 0.5 a call twice as expensive does not pay: K=0 runs."""
+    assert pick_k_by_cost([0, 4], COSTS, [4, 0], np.cumprod([0.5] * 4)) == 0
+
+
+def test_high_acceptance_runs_the_long_call():
+    """At c_i = 0.9 the K=4 call gives 5.1 tokens for 80 ms and wins."""
+    assert pick_k_by_cost([0, 4], COSTS, [4, 0], np.cumprod([0.9] * 4)) == 4
+
+
+def test_nothing_proposed_runs_the_cheapest_call():
+    """No drafts: every K gives one token per row, so the cheapest K runs."""
+    assert pick_k_by_cost([0, 1, 4], {0: 25.0, 1: 27.0, 4: 30.0}, [0, 0], np.cumprod([0.9] * 4)) == 0
+
+
+def test_acceptance_stats_count_only_tried_drafts():
+    """Draft i is tried only when drafts before it were accepted."""
+    stats = AcceptanceStats(4)
+    stats.observe(proposed=4, accepted=1)  # d1 accepted, d2 rejected, d3 d4 never tried
+    tried = stats.tried - 2.0  # minus the prior
+    accepted = stats.accepted - 1.0
+    assert tried.tolist() == [1, 1, 0, 0]
+    assert accepted.tolist() == [1, 0, 0, 0]
+    assert stats.chain()[0] == 2.0 / 3.0  # (1 + 1) / (2 + 1)
