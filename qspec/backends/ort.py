@@ -5,15 +5,15 @@ Facts that shape this module (measured on the 2-core machines, see DESIGN.md):
 - Each session that loads its own weights costs ≈ 0.6 GB, so the weights are read **once** into
   OrtValues and handed to every session with ``add_initializer``; weight pre-packing is switched off
   because it would give every session a private re-laid-out copy of every MatMul weight again.
-- Per-session thread pools spin while idle and steal the cores from the session that runs, so all
-  sessions share ONNX Runtime's global thread pool.
+- Per-session thread pools spin while idle and steal the cores from the session that runs, so a
+  process with several sessions lets at most one of them spin. (ORT's global thread pool would
+  avoid this, but once set it makes every other session in the process fail to load.)
 - Every dimension of a session is fixed (``add_free_dimension_override_by_name``) from its
   specialization: the static shapes the vendor compiler would build.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -25,25 +25,13 @@ from qspec.errors import CompileError
 from qspec.specializations import Specialization
 
 PROVIDERS = ["CPUExecutionProvider"]
-_global_pool_lock = threading.Lock()
-_global_pool_threads: int | None = None
 
 
-def use_global_thread_pool(num_threads: int | None = None) -> int:
-    """Size ONNX Runtime's global thread pool once per process; returns the size in use.
-
-    The pool is created with the first session, so only the first call decides; later calls with
-    another size get the size already in use.
-    """
-    global _global_pool_threads
+def default_threads() -> int:
+    """Threads per session: the cores this process may run on."""
     import os
 
-    with _global_pool_lock:
-        if _global_pool_threads is None:
-            threads = num_threads or len(os.sched_getaffinity(0))
-            ort.capi._pybind_state.set_global_thread_pool_sizes(threads, 1)
-            _global_pool_threads = threads
-        return _global_pool_threads
+    return len(os.sched_getaffinity(0))
 
 
 def load_weights(onnx_path: Path) -> dict[str, ort.OrtValue]:
@@ -71,10 +59,9 @@ def session_options(
     spinning: bool = True,
     num_threads: int | None = None,
 ) -> ort.SessionOptions:
-    """Options of one session: global pool, shared weights, every dimension of ``spec`` fixed."""
-    use_global_thread_pool(num_threads)
+    """Options of one session: its own pool, shared weights, every dimension of ``spec`` fixed."""
     options = ort.SessionOptions()
-    options.use_per_session_threads = False
+    options.intra_op_num_threads = num_threads or default_threads()
     options.log_severity_level = 3
     options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
     if weights:

@@ -129,7 +129,7 @@ class DraftProposer:
         draft_confidence_threshold: float = 0.0,
         prefill_min_tokens: int = DEFAULT_PREFILL_MIN_TOKENS,
         session_mode: SessionMode = "shared",
-        spinning: bool = True,
+        spinning: bool = False,
         num_threads: int | None = None,
     ):
         """Load ``draft_package`` (compiled with ``num_speculative_tokens`` containing 0).

@@ -12,8 +12,8 @@ Session modes (see ``qspec.backends.ort`` and the closing notes for the measurem
 - ``shared`` (default): one session for the whole package, ``ctx_len`` (and ``full_batch_size``)
   fixed, ``batch_size``/``seq_len``/``num_logits_to_keep`` taken from the bound specialization. The
   weights are loaded and pre-packed once, so five specializations cost the memory of one.
-- ``static``: one static-shape session per specialization (every dimension fixed), sharing the
-  global thread pool. Each session pre-packs its own weights (+≈0.5 GB each for SmolLM2); ONNX
+- ``static``: one static-shape session per specialization (every dimension fixed); their thread
+  pools do not spin, so an idle session never steals the cores of the one that runs. Each session pre-packs its own weights (+≈0.5 GB each for SmolLM2); ONNX
   Runtime's Python API has no shared pre-packed weight container, and without pre-packing a call is
   ≈1.8× slower.
 """
@@ -84,7 +84,7 @@ class CompiledModel:
         self.speculative = model.speculative
         self.vocab_size = model.vocab_size
 
-        ort_backend.use_global_thread_pool(num_threads)
+        threads = num_threads or ort_backend.default_threads()
         begin = time.perf_counter()
         onnx_path = self.package / ONNX_FILE
         sessions: dict[Specialization, ort.InferenceSession] = {}
@@ -93,13 +93,13 @@ class CompiledModel:
             if self.continuous_batching:
                 fixed[contract.FULL_BATCH_SIZE] = self.rows
             session = ort.InferenceSession(
-                str(onnx_path), _options(fixed, spinning), providers=ort_backend.PROVIDERS
+                str(onnx_path), _options(fixed, spinning, threads), providers=ort_backend.PROVIDERS
             )
             sessions = {spec: session for spec in specs}
         elif session_mode == "static":
             for spec in specs:
                 sessions[spec] = ort.InferenceSession(
-                    str(onnx_path), _options(spec.symbols(), spinning), providers=ort_backend.PROVIDERS
+                    str(onnx_path), _options(spec.symbols(), False, threads), providers=ort_backend.PROVIDERS
                 )
         else:
             raise ValueError(f"session_mode {session_mode!r}: use 'shared' or 'static'")
@@ -147,9 +147,9 @@ class CompiledModel:
         return sum(p.stat().st_size for p in self.package.glob(ONNX_FILE + "*"))
 
 
-def _options(fixed: dict[str, int], spinning: bool) -> ort.SessionOptions:
+def _options(fixed: dict[str, int], spinning: bool, threads: int) -> ort.SessionOptions:
     options = ort.SessionOptions()
-    options.use_per_session_threads = False
+    options.intra_op_num_threads = threads
     options.log_severity_level = 3
     options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
     for key, value in fixed.items():

@@ -44,7 +44,8 @@ RequestId = Hashable
 Tokens = np.ndarray | Sequence[int]
 
 DEFAULT_MAX_TREE_DEPTH = 24
-DEFAULT_MAX_CACHED_REQUESTS = 10_000
+# vLLM uses 10,000; Python trie nodes cost ~250 B per (token, depth), so cap memory at a few hundred MB.
+DEFAULT_MAX_CACHED_REQUESTS = 256
 DEFAULT_MAX_SPEC_FACTOR = 1.0
 DEFAULT_MIN_TOKEN_PROB = 0.1
 
