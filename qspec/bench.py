@@ -192,6 +192,7 @@ def default_prompts_path() -> Path:
     env = os.environ.get("QSPEC_MT_BENCH")
     candidates = [Path(env)] if env else []
     candidates += [Path.cwd().parent / MT_BENCH_FILE, Path(__file__).resolve().parents[2] / MT_BENCH_FILE]
+    candidates.append(Path(__file__).resolve().parent / "data" / "mt_bench" / "question.jsonl")  # shipped copy
     for path in candidates:
         if path.is_file():
             return path

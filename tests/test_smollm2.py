@@ -17,7 +17,6 @@ from qspec import contract
 pytestmark = pytest.mark.slow
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-MT_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench" / "question.jsonl"
 CTX = 512
 NEW_TOKENS = 48
 TOL = 1e-3
@@ -31,7 +30,9 @@ def smollm2_path() -> Path:
 
 
 def mt_bench_prompts(n_per_category: int = 1) -> list[str]:
-    rows = [json.loads(line) for line in MT_BENCH.read_text().splitlines() if line.strip()]
+    from qspec.bench import default_prompts_path
+
+    rows = [json.loads(line) for line in default_prompts_path().read_text().splitlines() if line.strip()]
     picked, seen = [], {}
     for row in rows:
         if seen.get(row["category"], 0) < n_per_category:
