@@ -33,6 +33,7 @@ def bench(
     prefill_seq_len: Annotated[Optional[int], typer.Option(help="Tokens per prefill call.")] = None,
     num_threads: Annotated[Optional[int], typer.Option(help="Threads for ONNX Runtime and torch (default: all cores).")] = None,
     packages_dir: Annotated[Optional[Path], typer.Option(help="Where compiled packages are cached.")] = None,
+    dispatch: Annotated[Optional[str], typer.Option(help="cover (smallest K covering the drafts) or cost (most tokens per ms).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the whole report as JSON on stdout.")] = False,
 ) -> None:
     """Benchmark none / fixed K / variable K (and transformers) on a prompt set; write a report."""
@@ -53,6 +54,7 @@ def bench(
             "prefill_seq_len": prefill_seq_len,
             "num_threads": num_threads,
             "packages_dir": packages_dir,
+            "dispatch": dispatch,
         }
         overrides = {key: value for key, value in overrides.items() if value is not None}
         if per_category is not None:

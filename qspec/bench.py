@@ -45,7 +45,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import median
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import Field, field_validator, model_validator
@@ -114,6 +114,7 @@ class BenchOptions(FrozenModel):
     draft_package: Path | None = None
     num_threads: int | None = Field(default=None, ge=1)
     packages_dir: Path | None = None  # None: <qspec cache>/bench-packages
+    dispatch: Literal["cover", "cost"] = "cover"  # how speculative configurations pick K
 
     @field_validator("batch_sizes", mode="before")
     @classmethod
@@ -660,18 +661,13 @@ class _Collected:
     calls: Counter = field(default_factory=Counter)
 
 
-def _engine_on(model, config: RunConfig, knobs: dict[str, Any]):
-    """An Engine for ``config`` on an already loaded ``CompiledModel`` (weights and KV cache shared).
+def _engine_on(model, config: RunConfig, knobs: dict[str, Any], dispatch: str = "cover"):
+    """An Engine for ``config`` on an already loaded ``CompiledModel`` (weights and KV cache shared)."""
+    from qspec.runtime import Engine
 
-    Engine has no constructor argument for a loaded model yet; until it has, the engine module's
-    loader is swapped for the length of the constructor, so every check of ``Engine`` still runs.
-    """
-    from unittest import mock
-
-    import qspec.runtime.engine as engine_module
-
-    with mock.patch.object(engine_module, "CompiledModel", lambda *args, **kwargs: model):
-        return engine_module.Engine(model.package, method=config.method, num_speculative_tokens=list(config.ks), **knobs)
+    return Engine(
+        model.package, method=config.method, num_speculative_tokens=list(config.ks), dispatch=dispatch, model=model, **knobs
+    )
 
 
 def _run_qspec(engine, config: RunConfig, ids: list[list[int]], params) -> tuple[list, float, Counter]:
@@ -991,7 +987,7 @@ class _Bench:
             model = CompiledModel(package, num_threads=self.options.num_threads)
             self.models[batch] = model
             for config in [c for c in self.configs if not c.baseline and c.batch == batch]:
-                self.engines[config.key] = _engine_on(model, config, self._knobs(config.method))
+                self.engines[config.key] = _engine_on(model, config, self._knobs(config.method), self.options.dispatch)
             self.step(f"batch {batch} engines ready")
         first = self.engines[self.configs[0].key]
         self.eos_token_ids = sorted(first.eos_token_ids)

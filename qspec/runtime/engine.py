@@ -119,6 +119,7 @@ class Engine:
         num_speculative_tokens: Sequence[int] | str | None = None,
         dispatch: str = "cover",
         proposer: Proposer | None = None,
+        model: CompiledModel | None = None,
         **method_options: Any,
     ):
         """Load ``package``; ``method`` is ``none``, ``pld``, ``suffix``, ``user`` or ``draft``.
@@ -131,7 +132,8 @@ class Engine:
         the target says (the output is then *not* the target's greedy output).
         ``method_options`` go to the proposer (``prompt_lookup_min``, ``prompt_lookup_max``, ...).
         """
-        self.model = CompiledModel(package, session_mode=session_mode, spinning=spinning, num_threads=num_threads)
+        # Engines may share one loaded model (weights, sessions and KV cache), one at a time.
+        self.model = model or CompiledModel(package, session_mode=session_mode, spinning=spinning, num_threads=num_threads)
         self.tokenizer = Tokenizer(self.model.package / TOKENIZER_DIR)
         self.method = method
         if proposer is None and method == "draft":
