@@ -456,6 +456,49 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+class CpuMeter:
+    """Share of the machine's CPU that *other* processes used over an interval.
+
+    ``(system busy CPU s - this process tree's CPU s) / (wall s x cores)``: 0 on a quiet machine,
+    0.5 when another job kept one of two cores busy. The tree is this process, its live children
+    (the transformers worker) and the children it has waited for (the memory probes).
+    """
+
+    def __init__(self) -> None:
+        import psutil
+
+        self._psutil = psutil
+        self.cores = psutil.cpu_count() or 1
+        self._start = self._sample()
+
+    def _sample(self) -> tuple[float, float, float]:
+        t = self._psutil.cpu_times()
+        # Steal: time the hypervisor gave this VM's CPUs to someone else, contention all the same.
+        busy = t.user + t.nice + t.system + sum(getattr(t, f, 0.0) for f in ("irq", "softirq", "steal"))
+        me = self._psutil.Process()
+        own = sum(me.cpu_times()[:4])  # user, system, children_user, children_system
+        for child in me.children(recursive=True):
+            try:
+                own += sum(child.cpu_times()[:2])
+            except self._psutil.Error:  # exited between the listing and the read
+                pass
+        return time.perf_counter(), busy, own
+
+    def restart(self) -> None:
+        self._start = self._sample()
+
+    def other_share(self) -> float:
+        """Other processes' share since the start (or the last ``restart``), clipped to [0, 1]."""
+        now, busy, own = self._sample()
+        wall, busy0, own0 = now - self._start[0], self._start[1], self._start[2]
+        if wall <= 0:
+            return 0.0
+        return round(min(1.0, max(0.0, (busy - busy0 - (own - own0)) / (wall * self.cores))), 3)
+
+
+CONTENTION_NOTE = 0.1  # other processes' CPU share above which the report says the machine was shared
+
+
 # --------------------------------------------------------------------------------------------
 # Worker processes (spawned: a clean interpreter, no inherited threads)
 # --------------------------------------------------------------------------------------------
@@ -658,6 +701,7 @@ class _Collected:
     config: RunConfig
     requests: dict[str, _Request] = field(default_factory=dict)
     walls: list[float] = field(default_factory=list)
+    other_cpu: list[float] = field(default_factory=list)  # other processes' CPU share during each round
     calls: Counter = field(default_factory=Counter)
 
 
@@ -712,6 +756,7 @@ def summarize(collected: _Collected) -> dict[str, Any]:
         "overall": overall,
         "per_category": category_rates(rows),
         "round_walls_s": [round(w, 3) for w in collected.walls],
+        "round_other_cpu": collected.other_cpu,
     }
 
 
@@ -754,6 +799,24 @@ def equality_checks(collected: dict[str, _Collected]) -> dict[str, Any]:
         "all_equal": all(c["equal"] == c["total"] for c in checks),
         "checks": checks,
     }
+
+
+def contention_notes(other_cpu: float, summaries: list[dict[str, Any]]) -> list[str]:
+    """A note when other processes used more than CONTENTION_NOTE of the CPU, with the worst rounds."""
+    rounds_hit = [
+        (share, s["key"], number + 1)
+        for s in summaries
+        for number, share in enumerate(s.get("round_other_cpu", []))
+        if share > CONTENTION_NOTE
+    ]
+    if other_cpu <= CONTENTION_NOTE and not rounds_hit:
+        return []
+    worst = ", ".join(f"{key} round {n}: {share:.0%}" for share, key, n in sorted(rounds_hit, reverse=True)[:4])
+    return [
+        f"other processes used {other_cpu:.0%} of the CPU over the run"
+        + (f" (worst: {worst}; {len(rounds_hit)} config-rounds above {CONTENTION_NOTE:.0%})" if rounds_hit else "")
+        + ": the machine was shared, so these numbers, ratios included, are not clean; rerun on a quiet machine"
+    ]
 
 
 def _target(name: str, goal: str, measured: str, passed: bool | None) -> dict[str, Any]:
@@ -1030,6 +1093,7 @@ class _Bench:
             ids = [r[2] for r in batch]
             for config in rotated(self.configs, number):
                 self.say(f"turn {turn}, round {number + 1}: {config.key}", self.done, self.total)
+                meter = CpuMeter()
                 if config.baseline:
                     results, wall, calls = _run_hf(self.hf, config, ids, self.options.max_new_tokens)
                 else:
@@ -1038,6 +1102,7 @@ class _Bench:
                 for (rid, category, _), (tokens, text, metrics) in zip(batch, results):
                     c.requests[rid] = _Request(rid, category, list(tokens), text, metrics)
                 c.walls.append(wall)
+                c.other_cpu.append(meter.other_share())
                 c.calls.update(calls)
                 self.step(f"turn {turn}, round {number + 1}: {config.key} done")
 
@@ -1122,7 +1187,7 @@ def run_bench(
     options = options or quick_options()
     started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     begin = time.perf_counter()
-    load_start = os.getloadavg() if hasattr(os, "getloadavg") else None
+    meter = CpuMeter()
     bench = _Bench(str(model), options, progress)
     phases: dict[str, float] = {}
     mark = time.perf_counter()
@@ -1162,15 +1227,8 @@ def run_bench(
         if s["backend"] == "transformers":
             s["overall"]["peak_rss_mb"] = hf_stop.get("peak_rss_mb")
     equality = equality_checks(collected)
-    load_end = os.getloadavg() if hasattr(os, "getloadavg") else None
-    notes = list(bench.notes)
-    cores = machine_info()["cores"]
-    # Before the run only other work counts; at the end the run's own threads do too.
-    if load_start and load_end and (load_start[0] > cores / 2 or load_end[0] > cores + 0.5):
-        notes.append(
-            f"load average {load_start[0]:.1f} at the start and {load_end[0]:.1f} at the end on {cores} cores: "
-            "other work shared the machine; absolute numbers are low, ratios (interleaved) less affected"
-        )
+    other_cpu = meter.other_share()
+    notes = list(bench.notes) + contention_notes(other_cpu, summaries)
     bench.step("report ready")
     return {
         "meta": {
@@ -1182,7 +1240,7 @@ def run_bench(
             "options": json.loads(bench.options.model_dump_json()),
             "prompts": len(bench.prompts),
             "categories": sorted({p.category for p in bench.prompts}),
-            "machine": machine_info() | {"load_average_start": load_start, "load_average_end": load_end},
+            "machine": machine_info() | {"other_processes_cpu_share": other_cpu},
             "transformers": bench.hf_info,
             "notes": notes,
         },
@@ -1236,7 +1294,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"{machine['onnxruntime']}{baseline_versions}.",
         "Rates are over each configuration's summed `generate` wall time; the configurations ran interleaved "
         "round by round. Ratio: requests/s against `none` at the same max batch size. TTFT at batch > 1 includes "
-        "the wait for a slot.",
+        "the wait for a slot. Other CPU: the share of the machine other processes used while a configuration ran.",
     ]
     lines += [f"> Note: {note}" for note in meta["notes"]]
     equality = report["equality"]
@@ -1262,10 +1320,11 @@ def render_markdown(report: dict[str, Any]) -> str:
             s["key"], o["requests_per_s"], o["output_tokens_per_s"], o["ttft_ms_median"], o["tpot_ms_median"],
             o["mean_accepted_tokens"], o["acceptance_rate"], _calls_per_k(o["calls"]),
             _fmt(o.get("peak_rss_mb"), 0), _fmt(o.get("ratio_to_none"), 3),
+            f"{max(s.get('round_other_cpu') or [0]):.0%}",
         ])
     lines += _table(
         ["config@batch", "req/s", "out tok/s", "TTFT ms (median)", "TPOT ms (median)", "tokens/call", "acceptance",
-         "calls per K", "peak RSS MB", "x none"],
+         "calls per K", "peak RSS MB", "x none", "other CPU (worst round)"],
         rows,
     )
     for batch in options["batch_sizes"]:

@@ -12,6 +12,7 @@ from qspec.bench import (
     add_ratios,
     category_rates,
     compare_outputs,
+    contention_notes,
     load_prompts,
     plan_configs,
     quick_options,
@@ -38,14 +39,14 @@ def prompts_file(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def bench_run(tiny_model, prompts_file, tmp_path_factory):
-    """One small run through the CLI: batch 1 and 2, pld and suffix with [4] and [0,4], both turns."""
+    """One small run through the CLI: batch 1 and 2, pld with [4] and [0,4], both turns."""
     from qspec_cli.main import app
 
     out = tmp_path_factory.mktemp("bench-out")
     args = [
         "bench", str(tiny_model("llama")), "--output", str(out), "--prompts", str(prompts_file),
         "--per-category", "0", "--turns", "2", "--max-new-tokens", "12", "--batch-sizes", "1,2",
-        "--methods", "pld,suffix", "--k-lists", "4;0,4", "--micro-iterations", "2", "--round-size", "2",
+        "--methods", "pld", "--k-lists", "4;0,4", "--micro-iterations", "2", "--round-size", "2",
         "--ctx-len", "128", "--prefill-seq-len", "8", "--packages-dir", str(out / "packages"),
     ]
     result = CliRunner().invoke(app, args)
@@ -59,7 +60,7 @@ def test_report_files_and_configs(bench_run):
     assert (out / "report.md").is_file() and (out / "throughput.png").stat().st_size > 0
     keys = {s["key"] for s in report["configs"]}
     for batch in (1, 2):
-        assert {f"none@{batch}", f"pld[4]@{batch}", f"pld[0,4]@{batch}", f"suffix[4]@{batch}", f"suffix[0,4]@{batch}"} <= keys
+        assert {f"none@{batch}", f"pld[4]@{batch}", f"pld[0,4]@{batch}"} <= keys
     assert {"transformers@1", "transformers-pld[4]@1"} <= keys
     none = next(s for s in report["configs"] if s["key"] == "none@1")
     assert none["overall"]["requests"] == 8  # 4 prompts x 2 turns
@@ -87,6 +88,7 @@ def test_report_has_targets_micro_and_memory(bench_run):
     probe = report["memory"]["probes"]["pld[0,4]@1"]
     assert probe["peak_rss_mb"] >= probe["rss_loaded_mb"] > 0
     assert report["memory"]["ratio"] > 0
+    assert all(0 <= share <= 1 for s in report["configs"] for share in s["round_other_cpu"])
 
 
 def test_ratio_math():
@@ -116,6 +118,16 @@ def test_compare_outputs_reports_first_difference():
     result = compare_outputs({"a": [1, 2, 3], "b": [5]}, {"a": [1, 2, 4], "b": [5]})
     assert (result["equal"], result["total"]) == (1, 2)
     assert result["mismatches"] == [{"request": "a", "first_difference_at": 2, "lengths": [3, 3]}]
+
+
+def test_contention_note_names_the_worst_rounds():
+    """No note on a quiet machine; otherwise the share and the worst config-rounds."""
+    quiet = [{"key": "none@1", "round_other_cpu": [0.01, 0.02]}]
+    assert contention_notes(0.02, quiet) == []
+    busy = [{"key": "none@1", "round_other_cpu": [0.05, 0.6]}, {"key": "pld[4]@1", "round_other_cpu": [0.3]}]
+    [note] = contention_notes(0.25, busy)
+    assert note.startswith("other processes used 25% of the CPU")
+    assert "none@1 round 2: 60%, pld[4]@1 round 1: 30%" in note
 
 
 def test_rounds_and_rotation():
