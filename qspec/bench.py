@@ -24,6 +24,10 @@ What one run does, in order:
 5. **Checks and targets**: every configuration's greedy tokens against ``none``'s at the same batch
    size (and transformers' against qspec's), then the issue's targets, each with its numbers.
 
+Every configuration-round also records the share of the CPU that *other* processes took
+(:class:`CpuMeter`); above 10 % the report says which rounds were hit, since interleaving evens out
+slow drift but not a job that starts in the middle of one configuration's round.
+
 ``run_bench`` returns the report as a JSON-able dict; ``write_report`` writes ``report.json``,
 ``report.md`` and ``throughput.png`` (requests/s against batch size, one line per configuration).
 Library code never prints: progress goes to the ``progress(message, done, total)`` callback.
