@@ -45,8 +45,6 @@ def run_guarded(work: Callable[[], None]) -> None:
         raise typer.Exit(1) from None
 
 
-fail_on_errors = run_guarded
-
 
 @contextlib.contextmanager
 def status(title: str) -> Iterator[Callable[[str], None]]:

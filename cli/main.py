@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from qspec_cli.common import console, fail_on_errors, run_guarded, status
+from qspec_cli.common import console, run_guarded, status
 
 app = typer.Typer(
     name="qspec",

@@ -259,3 +259,12 @@ def test_cost_dispatch_keeps_greedy_output(packages, reference):
         assert set(engine.call_ms) == set(engine.ks)
     with pytest.raises(ConfigError, match="dispatch"):
         Engine(packages["0,4"], dispatch="fastest")
+
+
+def test_static_session_mode_equals_shared(packages):
+    """One fully static session per specialization gives the same tokens as the shared session."""
+    shared, _ = run(packages["0,4"], PROMPTS[:3], method="pld")
+    static, engine = run(packages["0,4"], PROMPTS[:3], method="pld", session_mode="static")
+    assert static == shared
+    sessions = {bound.session for bound in engine.model.bindings.values()}
+    assert len(sessions) == len(engine.model.bindings)  # one session per specialization

@@ -2,9 +2,10 @@
 
 Facts that shape this module (measured on the 2-core machines, see DESIGN.md):
 
-- Each session that loads its own weights costs ≈ 0.6 GB, so the weights are read **once** into
-  OrtValues and handed to every session with ``add_initializer``; weight pre-packing is switched off
-  because it would give every session a private re-laid-out copy of every MatMul weight again.
+- Each session pre-packs its own copy of every MatMul weight (≈ 0.5 GB for SmolLM2). Sharing the
+  initializers (``add_initializer``) does not share those copies in the Python API, and turning
+  pre-packing off makes a call ≈ 1.8× slower; so the compile-time check loads one static session at
+  a time, and the runtime serves every specialization from one session (``qspec.runtime.model``).
 - Per-session thread pools spin while idle and steal the cores from the session that runs, so a
   process with several sessions lets at most one of them spin. (ORT's global thread pool would
   avoid this, but once set it makes every other session in the process fail to load.)
@@ -34,62 +35,28 @@ def default_threads() -> int:
     return len(os.sched_getaffinity(0))
 
 
-def load_weights(onnx_path: Path) -> dict[str, ort.OrtValue]:
-    """Every external-data initializer of the graph as an OrtValue, to share between sessions."""
-    import onnx
-    from onnx.external_data_helper import uses_external_data
-    from onnx.numpy_helper import to_array
-
-    proto = onnx.load(str(onnx_path), load_external_data=False)
-    base = onnx_path.parent
-    weights: dict[str, ort.OrtValue] = {}
-    for tensor in proto.graph.initializer:
-        if not uses_external_data(tensor):
-            continue
-        onnx.external_data_helper.load_external_data_for_tensor(tensor, str(base))
-        weights[tensor.name] = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(to_array(tensor)))
-        tensor.ClearField("raw_data")
-    return weights
-
-
-def session_options(
-    spec: Specialization | None,
-    weights: Mapping[str, ort.OrtValue],
-    *,
-    spinning: bool = True,
-    num_threads: int | None = None,
-) -> ort.SessionOptions:
-    """Options of one session: its own pool, shared weights, every dimension of ``spec`` fixed."""
+def session_options(fixed: Mapping[str, int], *, spinning: bool, num_threads: int | None = None) -> ort.SessionOptions:
+    """Options of one session: its own thread pool, the dimensions in ``fixed`` set to their sizes."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = num_threads or default_threads()
     options.log_severity_level = 3
     options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
-    if weights:
-        options.add_session_config_entry("session.disable_prepacking", "1")
-        for name, value in weights.items():
-            options.add_initializer(name, value)
-    if spec is not None:
-        for key, value in spec.symbols().items():
-            options.add_free_dimension_override_by_name(key, value)
+    for key, value in fixed.items():
+        options.add_free_dimension_override_by_name(key, value)
     return options
 
 
 def create_session(
-    onnx_path: Path,
-    spec: Specialization | None,
-    weights: Mapping[str, ort.OrtValue],
-    *,
-    spinning: bool = True,
+    onnx_path: Path, spec: Specialization, *, spinning: bool = False, num_threads: int | None = None
 ) -> ort.InferenceSession:
-    """A session of ``onnx_path`` for ``spec``; a failure names the specialization."""
+    """A fully static session of ``onnx_path`` for ``spec``; a failure names the specialization."""
     try:
         return ort.InferenceSession(
-            str(onnx_path), session_options(spec, weights, spinning=spinning), providers=PROVIDERS
+            str(onnx_path), session_options(spec.symbols(), spinning=spinning, num_threads=num_threads), providers=PROVIDERS
         )
     except Exception as exc:  # ORT raises plain RuntimeErrors / Fail
-        where = f"specialization {spec.describe()}" if spec else "the dynamic graph"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CompileError(f"ONNX Runtime could not load {where}: {first}") from exc
+        raise CompileError(f"ONNX Runtime could not load specialization {spec.describe()}: {first}") from exc
 
 
 def static_dims(session: ort.InferenceSession) -> dict[str, list]:

@@ -84,7 +84,6 @@ class CompiledModel:
         self.speculative = model.speculative
         self.vocab_size = model.vocab_size
 
-        threads = num_threads or ort_backend.default_threads()
         begin = time.perf_counter()
         onnx_path = self.package / ONNX_FILE
         sessions: dict[Specialization, ort.InferenceSession] = {}
@@ -93,14 +92,15 @@ class CompiledModel:
             if self.continuous_batching:
                 fixed[contract.FULL_BATCH_SIZE] = self.rows
             session = ort.InferenceSession(
-                str(onnx_path), _options(fixed, spinning, threads), providers=ort_backend.PROVIDERS
+                str(onnx_path),
+                ort_backend.session_options(fixed, spinning=spinning, num_threads=num_threads),
+                providers=ort_backend.PROVIDERS,
             )
             sessions = {spec: session for spec in specs}
         elif session_mode == "static":
             for spec in specs:
-                sessions[spec] = ort.InferenceSession(
-                    str(onnx_path), _options(spec.symbols(), False, threads), providers=ort_backend.PROVIDERS
-                )
+                # Several sessions in one process: none spins, so an idle one never steals the cores.
+                sessions[spec] = ort_backend.create_session(onnx_path, spec, spinning=False, num_threads=num_threads)
         else:
             raise ValueError(f"session_mode {session_mode!r}: use 'shared' or 'static'")
         self.load_seconds = time.perf_counter() - begin
@@ -146,12 +146,3 @@ class CompiledModel:
         """Bytes of the weights streamed by every call (the memory-bandwidth floor's numerator)."""
         return sum(p.stat().st_size for p in self.package.glob(ONNX_FILE + "*"))
 
-
-def _options(fixed: dict[str, int], spinning: bool, threads: int) -> ort.SessionOptions:
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.log_severity_level = 3
-    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
-    for key, value in fixed.items():
-        options.add_free_dimension_override_by_name(key, value)
-    return options
