@@ -94,6 +94,7 @@ def compile_package(
     target = Path(output) if output is not None else default_output(model, options)
 
     source = resolve_source(model)
+    say("hashing model files")
     digest = source_digest(source)
     key = _inputs_key(digest, options)
     if not force and (target / MANIFEST).is_file():
@@ -110,7 +111,7 @@ def compile_package(
         speculative=spec_config.speculative,
         num_layers=options.num_layers,
     )
-    export_dir, meta = export_model(model, export_options, progress=say)
+    export_dir, meta = export_model(model, export_options, progress=say, digest=digest)
     messages = check_model_speculative_config(meta.model.speculative_config, spec_config.num_speculative_tokens)
     for message in messages:
         warn(message)

@@ -104,13 +104,18 @@ def export_model(
     *,
     cache_dir: Path | None = None,
     progress: Progress | None = None,
+    digest: str | None = None,
 ) -> tuple[Path, ExportMeta]:
-    """Export ``model`` (folder, ``.gguf`` or hub id) or reuse the cached export; returns (folder, meta)."""
+    """Export ``model`` (folder, ``.gguf`` or hub id) or reuse the cached export; returns (folder, meta).
+
+    ``digest``: the model files' ``source_digest`` when the caller has already computed it.
+    """
     options = options or ExportOptions()
     say = progress or (lambda message: None)
     source = resolve_source(model)
-    say("hashing model files")
-    digest = source_digest(source)
+    if digest is None:
+        say("hashing model files")
+        digest = source_digest(source)
     key = export_key(digest, options)
     root = (cache_dir or cache_root()) / "exports"
     final = root / key
