@@ -268,3 +268,17 @@ def test_static_session_mode_equals_shared(packages):
     assert static == shared
     sessions = {bound.session for bound in engine.model.bindings.values()}
     assert len(sessions) == len(engine.model.bindings)  # one session per specialization
+
+
+def test_streamed_text_ends_where_the_stop_string_starts(packages):
+    """Streaming with a stop string delivers exactly the returned text, up to the stop."""
+    engine = Engine(packages["0,4"], method="pld")
+    [full] = engine.generate(["abcabcabc"], SamplingParams(max_new_tokens=12, ignore_eos=True))
+    stop = full.text[3:5]
+    pieces = []
+    [cut] = engine.generate(
+        ["abcabcabc"], SamplingParams(max_new_tokens=12, ignore_eos=True, stop=[stop]),
+        on_text=lambda i, text: pieces.append(text),
+    )
+    assert cut.text == full.text[: full.text.index(stop)]
+    assert "".join(pieces) == cut.text

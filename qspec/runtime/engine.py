@@ -344,9 +344,11 @@ class Engine:
         seq.last = kept[-1]
         if seq.stream is not None:
             new_text = seq.stream.push(kept)
-            if seq.params.stop and self._hit_stop(seq):
-                seq.finish_reason = "stop"
-                new_text = ""
+            if seq.params.stop:
+                cut = self._cut_at_stop(seq, len(new_text))
+                if cut is not None:
+                    seq.finish_reason = "stop"
+                    new_text = new_text[: max(0, len(new_text) - cut)]  # stream up to the stop string
             if new_text and self._on_text is not None:
                 self._on_text(seq.index, new_text)
         if seq.finish_reason is None and seq.position >= self.model.ctx_len:
@@ -354,15 +356,21 @@ class Engine:
         if seq.finish_reason is None:
             self.proposer.extend(seq.index, kept)
 
-    def _hit_stop(self, seq: _Sequence) -> bool:
+    def _cut_at_stop(self, seq: _Sequence, new_chars: int) -> int | None:
+        """Cut the text before the first stop string; returns how many characters were cut, or None.
+
+        Earlier text was checked when it arrived, so a new match must overlap the ``new_chars`` newest.
+        """
         text = seq.stream.text
-        # Only the tail can hold a new match: the newest text plus the longest stop string.
+        matches = []
         for stop in seq.params.stop:
-            at = text.find(stop)
+            at = text.find(stop, max(0, len(text) - new_chars - len(stop) + 1))
             if at >= 0:
-                seq.stream.text = text[:at]
-                return True
-        return False
+                matches.append(at)
+        if not matches:
+            return None
+        seq.stream.text = text[: min(matches)]
+        return len(text) - min(matches)
 
     # ------------------------------------------------------------------ orchestration
 
