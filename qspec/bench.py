@@ -827,6 +827,12 @@ def _target(name: str, goal: str, measured: str, passed: bool | None) -> dict[st
     return {"target": name, "goal": goal, "measured": measured, "status": "n/a" if passed is None else ("PASS" if passed else "MISS")}
 
 
+def _at_least(name: str, value: float | None, goal: float, *, suffix: str = "", digits: int = 2, missing: str = "not run"):
+    """A ``>= goal x`` target on a ratio that may be missing (configuration not run)."""
+    measured = f"{value:.{digits}f} x" if value is not None else missing
+    return _target(name, f">= {goal} x{suffix}", measured, value >= goal if value is not None else None)
+
+
 def evaluate_targets(summaries: list[dict[str, Any]], memory: dict[str, Any] | None) -> list[dict[str, Any]]:
     """The issue's targets, each with PASS / MISS / n/a and the numbers behind it."""
     by_key = {s["key"]: s for s in summaries}
@@ -863,33 +869,21 @@ def evaluate_targets(summaries: list[dict[str, Any]], memory: dict[str, Any] | N
     for s in [s for s in variable if s["batch"] == 1]:
         value = s["overall"].get("ratio_to_none")
         targets.append(
-            _target(
+            _at_least(
                 f"{s['name']} vs none, requests/s (batch 1)",
-                f">= {TARGET_VARIABLE_SPEEDUP} x none",
-                f"{value:.3f} x" if value is not None else "no none run",
-                value >= TARGET_VARIABLE_SPEEDUP if value is not None else None,
+                value,
+                TARGET_VARIABLE_SPEEDUP,
+                suffix=" none",
+                digits=3,
+                missing="no none run",
             )
         )
     none, hf, hf_pld = by_key.get("none@1"), by_key.get(f"{HF_GREEDY}@1"), by_key.get(f"{HF_LOOKUP}[{HF_LOOKUP_TOKENS}]@1")
     value = ratio(none["overall"]["output_tokens_per_s"], hf["overall"]["output_tokens_per_s"]) if none and hf else None
-    targets.append(
-        _target(
-            "qspec none vs transformers greedy, tokens/s",
-            f">= {TARGET_VS_HF_GREEDY} x",
-            f"{value:.2f} x" if value is not None else "not run",
-            value >= TARGET_VS_HF_GREEDY if value is not None else None,
-        )
-    )
+    targets.append(_at_least("qspec none vs transformers greedy, tokens/s", value, TARGET_VS_HF_GREEDY))
     for s in [s for s in variable if s["batch"] == 1 and s["method"] == "pld"]:
         value = ratio(s["overall"]["output_tokens_per_s"], hf_pld["overall"]["output_tokens_per_s"]) if hf_pld else None
-        targets.append(
-            _target(
-                f"qspec {s['name']} vs transformers prompt lookup, tokens/s",
-                f">= {TARGET_VS_HF_LOOKUP} x",
-                f"{value:.2f} x" if value is not None else "not run",
-                value >= TARGET_VS_HF_LOOKUP if value is not None else None,
-            )
-        )
+        targets.append(_at_least(f"qspec {s['name']} vs transformers prompt lookup, tokens/s", value, TARGET_VS_HF_LOOKUP))
     value = (memory or {}).get("ratio")
     targets.append(
         _target(
