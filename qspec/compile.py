@@ -117,16 +117,10 @@ def compile_package(
         warn(message)
     specs = build_specializations(spec_config)
     entry = ModelEntry(
+        **meta.model.model_dump(),
         source=meta.source,
         digest=meta.digest,
         export_key=meta.key,
-        model_type=meta.model.model_type,
-        num_layers=meta.model.num_layers,
-        num_kv_heads=meta.model.num_kv_heads,
-        head_dim=meta.model.head_dim,
-        vocab_size=meta.model.vocab_size,
-        kv_dtype=meta.model.kv_dtype,
-        eos_token_ids=meta.model.eos_token_ids,
         continuous_batching=export_options.continuous_batching,
         speculative=export_options.speculative,
         truncated_layers=options.num_layers,

@@ -36,14 +36,11 @@ MANIFEST_VERSION = 1
 Backend = Literal["ort", "qaic"]
 
 
-class ModelEntry(BaseModel):
-    """The exported model, as the runtime needs it."""
+class ModelInfo(BaseModel):
+    """What the runtime needs to know about an exported model, without loading it."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    source: str
-    digest: str
-    export_key: str
     model_type: str
     num_layers: int
     num_kv_heads: int
@@ -51,6 +48,15 @@ class ModelEntry(BaseModel):
     vocab_size: int
     kv_dtype: str = "float32"
     eos_token_ids: list[int]
+    speculative_config: dict = Field(default_factory=dict)  # the model config's own speculative fields
+
+
+class ModelEntry(ModelInfo):
+    """The exported model in a package: its :class:`ModelInfo`, where it came from, the graph variant."""
+
+    source: str
+    digest: str
+    export_key: str
     continuous_batching: bool
     speculative: bool
     truncated_layers: int | None = None

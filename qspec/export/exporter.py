@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from qspec import __version__, contract
 from qspec.errors import ConfigError, QSpecError
+from qspec.package import ModelInfo
 from qspec.export.loader import ModelSource, load_model, resolve_source, source_digest
 from qspec.export.wrapper import adapter_for
 
@@ -47,21 +48,6 @@ class ExportOptions(BaseModel):
     continuous_batching: bool = False  # `batch_index` input, KV buffers of `full_batch_size` rows
     speculative: bool = True  # `num_logits_to_keep` input: logits of the last K + 1 positions
     num_layers: int | None = Field(default=None, ge=1)  # keep only the first N decoder layers
-
-
-class ModelInfo(BaseModel):
-    """What the runtime needs to know about an exported model, without loading it."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    model_type: str
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    kv_dtype: str = "float32"
-    eos_token_ids: list[int]
-    speculative_config: dict = Field(default_factory=dict)  # the model config's own speculative fields
 
 
 class ExportMeta(BaseModel):
