@@ -42,7 +42,7 @@ def mt_bench_prompts(n_per_category: int = 1) -> list[str]:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def real_cache(monkeypatch_module=None):
+def real_cache():
     """Real-model exports go to the user's cache (kept across runs), not the per-session tiny cache."""
     import os
 
