@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
 from qspec_cli.common import console, run_guarded
+
+if TYPE_CHECKING:
+    from qspec.bench import BenchOptions, BenchReport
 
 
 def bench(
@@ -67,14 +69,14 @@ def bench(
         report = _run_with_progress(model, options, run_bench)
         paths = write_report(report, output)
         if as_json:
-            print(json.dumps(report, indent=2))
+            print(report.model_dump_json(indent=2))
             return
         _print_summary(report, paths)
 
     run_guarded(work)
 
 
-def _run_with_progress(model: str, options, run_bench) -> dict:
+def _run_with_progress(model: str, options: BenchOptions, run_bench) -> BenchReport:
     """A progress bar on a terminal; elsewhere (make, CI logs) one line per step."""
     import time
 
@@ -97,17 +99,15 @@ def _run_with_progress(model: str, options, run_bench) -> dict:
         return run_bench(model, options, progress=progress)
 
 
-def _print_summary(report: dict, paths: dict) -> None:
-    equality = report["equality"]
-    verdict = "equal" if equality["speculative_equal_none"] else "NOT equal"
+def _print_summary(report: BenchReport, paths: dict[str, Path]) -> None:
+    verdict = "equal" if report.equality.speculative_equal_none else "NOT equal"
     print(f"speculative greedy outputs {verdict} to none's")
-    for s in report["configs"]:
-        o = s["overall"]
-        ratio = o.get("ratio_to_none")
-        versus = f"  {ratio:.2f}x none" if ratio else ""
-        print(f"  {s['key']:<24} {o['requests_per_s']:8.3f} req/s {o['output_tokens_per_s']:8.1f} tok/s{versus}")
-    for t in report["targets"]:
-        print(f"  [{t['status']}] {t['target']}: {t['measured']} (goal {t['goal']})")
-    for note in report["meta"]["notes"]:
+    for s in report.configs:
+        o = s.overall
+        versus = f"  {o.ratio_to_none:.2f}x none" if o.ratio_to_none else ""
+        print(f"  {s.key:<24} {o.requests_per_s:8.3f} req/s {o.output_tokens_per_s:8.1f} tok/s{versus}")
+    for t in report.targets:
+        print(f"  [{t.status}] {t.target}: {t.measured} (goal {t.goal})")
+    for note in report.meta.notes:
         console.print(f"[yellow]Note:[/] {note}")
-    print(f"wrote {paths['markdown']}, {paths['json']}, {paths['plot']} ({report['meta']['wall_s']} s)")
+    print(f"wrote {paths['markdown']}, {paths['json']}, {paths['plot']} ({report.meta.wall_s} s)")

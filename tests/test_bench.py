@@ -9,7 +9,8 @@ from typer.testing import CliRunner
 
 from qspec.bench import (
     BenchOptions,
-    add_ratios,
+    BenchReport,
+    ConfigSummary,
     category_rates,
     compare_outputs,
     contention_notes,
@@ -19,7 +20,11 @@ from qspec.bench import (
     ratio,
     rotated,
     rounds,
+    with_ratios,
 )
+from qspec.bench.analysis import CategoryInput
+from qspec.bench.report import Mismatch, Overall
+from qspec.runtime.metrics import aggregate
 from qspec.errors import ConfigError
 
 PROMPTS = [
@@ -51,20 +56,20 @@ def bench_run(tiny_model, prompts_file, tmp_path_factory):
     ]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
-    return out, json.loads((out / "report.json").read_text()), result.output
+    return out, BenchReport.model_validate_json((out / "report.json").read_text()), result.output
 
 
 def test_report_files_and_configs(bench_run):
     """report.json, report.md and throughput.png exist; every configuration and baseline is reported."""
     out, report, _ = bench_run
     assert (out / "report.md").is_file() and (out / "throughput.png").stat().st_size > 0
-    keys = {s["key"] for s in report["configs"]}
+    keys = {s.key for s in report.configs}
     for batch in (1, 2):
         assert {f"none@{batch}", f"pld[4]@{batch}", f"pld[0,4]@{batch}"} <= keys
     assert {"transformers@1", "transformers-pld[4]@1"} <= keys
-    none = next(s for s in report["configs"] if s["key"] == "none@1")
-    assert none["overall"]["requests"] == 8  # 4 prompts x 2 turns
-    assert set(none["per_category"]) == {"chat", "code"}
+    none = report.config("none@1")
+    assert none.overall.requests == 8  # 4 prompts x 2 turns
+    assert set(none.per_category) == {"chat", "code"}
     markdown = (out / "report.md").read_text()
     for heading in ("## Targets", "## Per configuration", "## Per category, batch 1", "## One call per specialization", "## Memory"):
         assert heading in markdown
@@ -73,7 +78,7 @@ def test_report_files_and_configs(bench_run):
 def test_speculative_outputs_equal_none(bench_run):
     """Greedy speculative outputs equal none's, and the report says so."""
     out, report, stdout = bench_run
-    assert report["equality"]["speculative_equal_none"] is True
+    assert report.equality.speculative_equal_none is True
     assert "is **equal** to `none`'s" in (out / "report.md").read_text()
     assert "outputs equal to none's" in stdout
 
@@ -81,51 +86,53 @@ def test_speculative_outputs_equal_none(bench_run):
 def test_report_has_targets_micro_and_memory(bench_run):
     """Each target has a status; the micro-benchmark and the memory probes have numbers."""
     _, report, _ = bench_run
-    assert all(t["status"] in ("PASS", "MISS", "n/a") for t in report["targets"])
-    assert any("peak RSS" in t["target"] and t["status"] != "n/a" for t in report["targets"])
-    calls = report["micro"]["packages"][0]["calls"]
-    assert [c["specialization"] for c in calls] == ["prefill", "K=0", "K=4"]
-    probe = report["memory"]["probes"]["pld[0,4]@1"]
-    assert probe["peak_rss_mb"] >= probe["rss_loaded_mb"] > 0
-    assert report["memory"]["ratio"] > 0
-    assert all(0 <= share <= 1 for s in report["configs"] for share in s["round_other_cpu"])
+    assert all(t.status in ("PASS", "MISS", "n/a") for t in report.targets)
+    assert any("peak RSS" in t.target and t.status != "n/a" for t in report.targets)
+    calls = report.micro.packages[0].calls
+    assert [c.specialization for c in calls] == ["prefill", "K=0", "K=4"]
+    probe = report.memory.probes["pld[0,4]@1"]
+    assert probe.peak_rss_mb >= probe.rss_loaded_mb > 0
+    assert report.memory.ratio > 0
+    assert all(0 <= share <= 1 for s in report.configs for share in s.round_other_cpu)
+
+
+def _summary(method: str, batch: int, requests_per_s: float, per_category: dict[str, float]) -> ConfigSummary:
+    """A summary with only what the ratios read: requests/s overall and per category."""
+    overall = Overall.from_metrics(aggregate([], 1.0, {})).model_copy(update={"requests_per_s": requests_per_s})
+    rows = category_rates([CategoryInput(c, 1, 1.0) for c in per_category])
+    rows = {c: row.model_copy(update={"requests_per_s": per_category[c]}) for c, row in rows.items()}
+    return ConfigSummary(key=f"{method}@{batch}", name=method, method=method, ks=[0], batch=batch, backend="qspec",
+                         overall=overall, per_category=rows, round_walls_s=[], round_other_cpu=[])
 
 
 def test_ratio_math():
     """Ratios against none at the same batch size, overall and per category."""
     assert ratio(3.0, 2.0) == 1.5
     assert ratio(1.0, 0.0) is None and ratio(None, 1.0) is None
-    rows = [
-        {"category": "a", "output_tokens": 10, "e2e_s": 2.0},
-        {"category": "a", "output_tokens": 30, "e2e_s": 4.0},
-    ]
-    table = category_rates(rows)
-    assert table["a"]["requests_per_s"] == round(2 / 6, 4)  # 2 requests over 6 s of latency
-    assert table["a"]["output_tokens_per_s"] == round(40 / 6, 2)
-    summaries = [
-        {"method": "none", "batch": 1, "overall": {"requests_per_s": 2.0}, "per_category": {"a": {"requests_per_s": 1.0}}},
-        {"method": "pld", "batch": 1, "overall": {"requests_per_s": 3.0}, "per_category": {"a": {"requests_per_s": 1.5}}},
-        {"method": "pld", "batch": 4, "overall": {"requests_per_s": 9.0}, "per_category": {}},  # no none at batch 4
-    ]
-    add_ratios(summaries)
-    assert summaries[1]["overall"]["ratio_to_none"] == 1.5
-    assert summaries[1]["per_category"]["a"]["ratio_to_none"] == 1.5
-    assert "ratio_to_none" not in summaries[2]["overall"]
+    table = category_rates([CategoryInput("a", 10, 2.0), CategoryInput("a", 30, 4.0)])
+    assert table["a"].requests_per_s == round(2 / 6, 4)  # 2 requests over 6 s of latency
+    assert table["a"].output_tokens_per_s == round(40 / 6, 2)
+    summaries = with_ratios([
+        _summary("none", 1, 2.0, {"a": 1.0}),
+        _summary("pld", 1, 3.0, {"a": 1.5}),
+        _summary("pld", 4, 9.0, {}),  # no none at batch 4
+    ])
+    assert summaries[1].overall.ratio_to_none == 1.5
+    assert summaries[1].per_category["a"].ratio_to_none == 1.5
+    assert summaries[2].overall.ratio_to_none is None
 
 
 def test_compare_outputs_reports_first_difference():
     """[1, 2, 3] against [1, 2, 4] differs at token 2; equal lists count as equal."""
     result = compare_outputs({"a": [1, 2, 3], "b": [5]}, {"a": [1, 2, 4], "b": [5]})
-    assert (result["equal"], result["total"]) == (1, 2)
-    assert result["mismatches"] == [{"request": "a", "first_difference_at": 2, "lengths": [3, 3]}]
+    assert (result.equal, result.total) == (1, 2)
+    assert result.mismatches == [Mismatch(request="a", first_difference_at=2, lengths=[3, 3])]
 
 
 def test_contention_note_names_the_worst_rounds():
     """No note on a quiet machine; otherwise the share and the worst config-rounds."""
-    quiet = [{"key": "none@1", "round_other_cpu": [0.01, 0.02]}]
-    assert contention_notes(0.02, quiet) == []
-    busy = [{"key": "none@1", "round_other_cpu": [0.05, 0.6]}, {"key": "pld[4]@1", "round_other_cpu": [0.3]}]
-    [note] = contention_notes(0.25, busy)
+    assert contention_notes(0.02, {"none@1": [0.01, 0.02]}) == []
+    [note] = contention_notes(0.25, {"none@1": [0.05, 0.6], "pld[4]@1": [0.3]})
     assert note.startswith("other processes used 25% of the CPU")
     assert "none@1 round 2: 60%, pld[4]@1 round 1: 30%" in note
 

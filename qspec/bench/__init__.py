@@ -1,0 +1,47 @@
+"""``qspec bench``: qspec's speculative configurations against no speculation and baselines, in one run.
+
+What one run does, in order (:func:`run_bench`):
+
+1. **Packages** (:mod:`.packages`): given a model (``.gguf`` or a Hugging Face folder) it compiles,
+   through the export cache, one package per max batch size with every K of every K list (plus 0):
+   batch 1 is a plain ``batch_size=1`` package, batch B > 1 a continuous-batching one with
+   ``full_batch_size=B``. A configuration restricts the engine to its own Ks, so ``none``,
+   ``pld[4]`` and ``pld[0,4]`` all run on the same loaded weights. One more package with K=0 only
+   is compiled for the memory comparison (1 vs 5 specializations).
+2. **Micro-benchmark** (:mod:`.micro`): the median time of one call per specialization, against the
+   memory-bandwidth floor ``weight bytes / copy bandwidth``.
+3. **Timed rounds** (:mod:`.run`): the prompts are cut into rounds of ``round_size``; every round
+   runs every configuration, the order rotated by one each round. Each runtime runs behind a
+   :class:`~qspec.bench.runners.Runner`: qspec's engine, and the transformers baselines
+   (``generate(do_sample=False)`` and ``generate(prompt_lookup_num_tokens=4)``, batch 1) in a worker
+   process (:mod:`.workers`). Every configuration gets the same token ids. With ``turns=2`` a
+   second phase asks each MT-bench follow-up, with ``none``'s first answer fed back.
+4. **Memory** (:mod:`.memory`): one spawned process per configuration loads its engine, generates a
+   little and reports its RSS after loading and its peak.
+5. **Checks and targets** (:mod:`.analysis`, :mod:`.targets`): every configuration's greedy tokens
+   against ``none``'s at the same batch size (and the baselines' against qspec's), then the
+   issue's targets, each with its numbers.
+
+The report is a typed :class:`~qspec.bench.report.BenchReport`; :func:`write_report` writes
+``report.json``, ``report.md`` and ``throughput.png`` (:mod:`.render`). Library code never prints:
+progress goes to the ``progress(message, done, total)`` callback.
+"""
+
+from qspec.bench.analysis import category_rates, compare_outputs, contention_notes, equality_checks, ratio, with_ratios
+from qspec.bench.machine import CpuMeter, copy_bandwidth
+from qspec.bench.options import SPECULATIVE_METHODS, BenchOptions, full_options, quick_options
+from qspec.bench.plan import HF_GREEDY, HF_LOOKUP, RunConfig, plan_configs, rotated, rounds
+from qspec.bench.prompts import BenchPrompt, default_prompts_path, load_prompts
+from qspec.bench.render import render_markdown, write_report
+from qspec.bench.report import BenchReport, ConfigSummary
+from qspec.bench.run import run_bench
+from qspec.bench.runners import RequestResult, RoundResult, Runner
+from qspec.bench.workers import BenchError
+
+__all__ = [
+    "SPECULATIVE_METHODS", "HF_GREEDY", "HF_LOOKUP", "BenchError", "BenchOptions", "BenchPrompt", "BenchReport",
+    "ConfigSummary", "CpuMeter", "RequestResult", "RoundResult", "RunConfig", "Runner", "category_rates",
+    "compare_outputs", "contention_notes", "copy_bandwidth", "default_prompts_path", "equality_checks",
+    "full_options", "load_prompts", "plan_configs", "quick_options", "ratio", "render_markdown", "rotated",
+    "rounds", "run_bench", "with_ratios", "write_report",
+]

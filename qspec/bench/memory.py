@@ -1,0 +1,74 @@
+"""Memory: each qspec configuration loaded and run in its own process, RSS after loading and peak.
+
+The headline: peak RSS of the batch-1 engine with the most specializations against a package with
+K=0 only (one prefill + one decode specialization): the runtime serves them all from one session.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from qspec.bench.analysis import ratio
+from qspec.bench.plan import RunConfig, Steps
+from qspec.bench.report import MemoryProbe, MemoryReport
+from qspec.bench.runners import engine_knobs
+from qspec.bench.workers import Worker
+
+PROBE_MAX_NEW_TOKENS = 32
+ONE_SPEC_KEY = "none@1 (K=0 package)"
+
+
+def _probe(key: str, package: Path, config: RunConfig, knobs: dict, prompts: list[list[int]], max_new: int,
+           num_threads: int | None) -> MemoryProbe:
+    worker = Worker("probe", str(package), config.method, list(config.ks), knobs, prompts, max_new, num_threads)
+    try:
+        return MemoryProbe(**worker.receive(f"memory probe {key}"))
+    finally:
+        worker.close()
+
+
+def memory_ratio(configs: list[RunConfig], probes: dict[str, MemoryProbe]) -> dict:
+    """Peak RSS of the batch-1 engine that runs the most specializations against the K=0 package."""
+    one = probes.get(ONE_SPEC_KEY)
+    candidates = [c for c in configs if c.batch == 1 and not c.baseline and c.key in probes]
+    if one is None or not candidates:
+        return {}
+    many = max(candidates, key=lambda c: (len(c.ks), c.method != "none"))
+    peak = probes[many.key].peak_rss_mb
+    none = probes.get("none@1")
+    return {
+        "one_peak_mb": one.peak_rss_mb,
+        "many_peak_mb": peak,
+        "many_config": many.key,
+        "many_label": f"{probes[many.key].specializations - 1} decode specializations ({many.key})",
+        "ratio": ratio(peak, one.peak_rss_mb),
+        "none_ratio": ratio(none.peak_rss_mb if none else None, one.peak_rss_mb),  # only the package differs
+    }
+
+
+def run_memory(
+    configs: list[RunConfig],
+    packages: dict[int, Path],
+    one_spec_package: Path | None,
+    prompt_ids: list[list[int]],
+    *,
+    max_new_tokens: int,
+    num_threads: int | None,
+    draft_package: Path | None,
+    steps: Steps,
+) -> MemoryReport:
+    """One probe process per qspec configuration (and for ``none`` on the K=0 package)."""
+    max_new = min(max_new_tokens, PROBE_MAX_NEW_TOKENS)
+    jobs = [
+        (c.key, packages[c.batch], c, engine_knobs(c.method, draft_package), prompt_ids[: c.batch])
+        for c in configs
+        if not c.baseline
+    ]
+    if one_spec_package is not None:
+        jobs.append((ONE_SPEC_KEY, one_spec_package, RunConfig("none", (0,), 1), {}, prompt_ids[:1]))
+    probes = {}
+    for key, package, config, knobs, prompts in jobs:
+        steps.say(f"memory: {key} in its own process")
+        probes[key] = _probe(key, package, config, knobs, prompts, max_new, num_threads)
+        steps.step(f"memory: {key} done")
+    return MemoryReport(probe_prompts_max_new_tokens=max_new, probes=probes, **memory_ratio(configs, probes))

@@ -1,0 +1,104 @@
+"""What a bench run measures: :class:`BenchOptions` and its two presets (quick, full)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from qspec.errors import ConfigError
+from qspec.specializations import FrozenModel, parse_num_speculative_tokens
+
+SPECULATIVE_METHODS = ("pld", "suffix", "draft")
+
+
+def _int_list(value: Any, what: str) -> tuple[int, ...]:
+    """``"1,4"``, ``4`` or ``[1, 4]`` as a tuple of ints."""
+    if isinstance(value, str):
+        try:
+            return tuple(int(token) for token in value.split(",") if token.strip())
+        except ValueError:
+            raise ValueError(f"{what} {value!r}: give comma-separated integers such as 1,4") from None
+    if isinstance(value, int):
+        return (value,)
+    return tuple(value)
+
+
+class BenchOptions(FrozenModel):
+    """What ``qspec bench`` runs; :func:`quick_options` and :func:`full_options` are the presets."""
+
+    prompts: Path | None = None  # JSONL of prompts; None: MT-bench
+    per_category: int | None = Field(default=2, ge=1)  # first N prompts of each category; None: all
+    turns: int = Field(default=1, ge=1, le=2)
+    max_new_tokens: int = Field(default=128, ge=1)
+    batch_sizes: tuple[int, ...] = (1, 4)
+    methods: tuple[str, ...] = ("pld", "suffix")
+    k_lists: tuple[tuple[int, ...], ...] = ((4,), (0, 4), (0, 1, 2, 4, 8))
+    baselines: bool = True  # transformers greedy and prompt lookup, batch 1
+    memory: bool = True  # peak RSS per configuration, one process each
+    micro_iterations: int = Field(default=20, ge=0)  # calls per specialization; 0: no micro-benchmark
+    round_size: int = Field(default=8, ge=1)
+    ctx_len: int = Field(default=1024, ge=2)
+    prefill_seq_len: int = Field(default=32, ge=1)
+    draft_package: Path | None = None
+    num_threads: int | None = Field(default=None, ge=1)
+    packages_dir: Path | None = None  # None: <qspec cache>/bench-packages
+    dispatch: Literal["cover", "cost"] = "cover"  # how speculative configurations pick K
+
+    @field_validator("batch_sizes", mode="before")
+    @classmethod
+    def _parse_batch_sizes(cls, value: Any) -> tuple[int, ...]:
+        sizes = _int_list(value, "batch_sizes")
+        if not sizes or min(sizes) < 1:
+            raise ValueError(f"batch_sizes {value!r}: give sizes >= 1, such as 1,4")
+        return tuple(sorted(set(sizes)))
+
+    @field_validator("methods", mode="before")
+    @classmethod
+    def _parse_methods(cls, value: Any) -> tuple[str, ...]:
+        names = [m.strip() for m in value.split(",")] if isinstance(value, str) else list(value)
+        names = [m for m in names if m and m != "none"]  # none always runs
+        unknown = sorted(set(names) - set(SPECULATIVE_METHODS))
+        if unknown:
+            raise ValueError(f"methods {unknown}: choose from none, {', '.join(SPECULATIVE_METHODS)}")
+        return tuple(dict.fromkeys(names))
+
+    @field_validator("k_lists", mode="before")
+    @classmethod
+    def _parse_k_lists(cls, value: Any) -> tuple[tuple[int, ...], ...]:
+        items = value.split(";") if isinstance(value, str) else list(value)
+        try:
+            lists = [parse_num_speculative_tokens(item.strip() if isinstance(item, str) else item) for item in items]
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+        if not lists:
+            raise ValueError("k_lists is empty; give K lists such as 4;0,4;0,1,2,4,8")
+        return tuple(dict.fromkeys(lists))
+
+    @model_validator(mode="after")
+    def _check_combination(self) -> BenchOptions:
+        k_max = max(k for ks in self.k_lists for k in ks)
+        if k_max + 1 > self.ctx_len:
+            raise ValueError(f"K {k_max} needs seq_len {k_max + 1} > ctx_len {self.ctx_len}; lower K or raise ctx_len")
+        if "draft" in self.methods and self.draft_package is None:
+            raise ValueError("method draft needs draft_package (compile one with `qspec compile --num-layers N`)")
+        if self.draft_package is not None and "draft" not in self.methods:
+            raise ValueError(f"draft_package {self.draft_package} is given but methods {list(self.methods)} omit draft")
+        return self
+
+    @property
+    def all_ks(self) -> tuple[int, ...]:
+        """Every K a package must hold: the union of the K lists, plus 0 for ``none``."""
+        return tuple(sorted({0, *(k for ks in self.k_lists for k in ks)}))
+
+
+def quick_options(**overrides: Any) -> BenchOptions:
+    """The < 20 minute version on a 2-core machine: 2 prompts per category, 128 tokens, batch 1 and 4."""
+    return BenchOptions.create(**overrides)
+
+
+def full_options(**overrides: Any) -> BenchOptions:
+    """Every prompt, batch sizes 1, 2, 4, 8, 50 calls per specialization in the micro-benchmark."""
+    preset = {"per_category": None, "batch_sizes": (1, 2, 4, 8), "micro_iterations": 50}
+    return BenchOptions.create(**(preset | overrides))

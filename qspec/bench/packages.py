@@ -1,0 +1,145 @@
+"""The packages a run measures: compiled from the model through the export cache, or the one package given."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from qspec.bench.options import BenchOptions
+from qspec.bench.plan import Steps
+from qspec.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """What ``qspec bench MODEL`` stands for once MODEL is looked at."""
+
+    options: BenchOptions  # narrowed to a given package's batch size and K lists
+    given: dict[int, Path] | None  # batch size -> package, when MODEL is a compiled package
+    source: str | None  # the model the baselines load (None: not at hand)
+    draft_slots: int | None  # KV slots of the draft package
+    notes: tuple[str, ...]
+
+
+def _is_package(path: Path) -> bool:
+    from qspec.package import MANIFEST
+
+    return (path / MANIFEST).is_file()
+
+
+def _given_package(given: Path, options: BenchOptions) -> tuple[BenchOptions, int, str | None, list[str]]:
+    """A compiled package: its batch size and the K lists it holds; the source it was compiled from."""
+    from qspec.package import read_manifest
+
+    manifest = read_manifest(given)
+    rows = manifest.config.full_batch_size or manifest.config.batch_size
+    have = set(manifest.config.num_speculative_tokens)
+    if 0 not in have:
+        raise ConfigError(
+            f"package {given} has no K=0 (it has {sorted(have)}); `none` needs it: recompile with 0 in the K list"
+        )
+    k_lists = tuple(ks for ks in options.k_lists if set(ks) <= have)
+    if not k_lists:
+        raise ConfigError(f"none of the K lists {list(options.k_lists)} is compiled in {given} (it has {sorted(have)})")
+    notes = []
+    dropped = [ks for ks in options.k_lists if ks not in k_lists]
+    if dropped or options.batch_sizes != (rows,):
+        notes.append(f"a package was given: batch size {rows} only, K lists {[list(k) for k in k_lists]}")
+    options = options.model_copy(update={"batch_sizes": (rows,), "k_lists": k_lists})
+    source = manifest.model.source if Path(manifest.model.source).exists() else None
+    return options, rows, source, notes
+
+
+def _check_baselines(source: str | None) -> None:
+    if source is None:
+        raise ConfigError(
+            "the transformers baselines need the model the package was compiled from, which is not at hand; "
+            "pass --no-baselines or give the model instead of the package"
+        )
+    if importlib.util.find_spec("transformers") is None or importlib.util.find_spec("torch") is None:
+        raise ConfigError(
+            "the transformers baselines need torch and transformers (pip install 'qspec[export]'); or pass --no-baselines"
+        )
+
+
+def _draft_slots(options: BenchOptions) -> tuple[int | None, list[str]]:
+    if options.draft_package is None:
+        return None, []
+    from qspec.package import read_manifest
+
+    draft = read_manifest(options.draft_package).config
+    slots = draft.full_batch_size or draft.batch_size
+    skipped = [b for b in options.batch_sizes if b > slots]
+    if not skipped:
+        return slots, []
+    return slots, [f"draft runs at batch sizes <= {slots} only (the draft package's KV slots), not at {skipped}"]
+
+
+def resolve_model(model: str, options: BenchOptions) -> ResolvedModel:
+    """Look at ``model`` (a package, or what the exporter reads) before any work; clear errors first."""
+    given = Path(model)
+    notes: list[str] = []
+    packages = None
+    if given.is_dir() and _is_package(given):
+        options, rows, source, notes = _given_package(given, options)
+        packages = {rows: given}
+    else:
+        from qspec.export.loader import resolve_source
+
+        resolve_source(model)  # a clear error for a path that is no model
+        source = model
+    if options.baselines:
+        _check_baselines(source)
+    draft_slots, draft_notes = _draft_slots(options)
+    return ResolvedModel(options, packages, source, draft_slots, tuple(notes + draft_notes))
+
+
+def package_name(model: str, batch: int, ks: Sequence[int], options: BenchOptions) -> str:
+    """``smollm2-b1-k0_4-ctx1024-p32``: what a bench package is cached as."""
+    stem = Path(str(model).rstrip("/")).name.removesuffix(".gguf")
+    return f"{stem}-b{batch}-k{'_'.join(map(str, ks))}-ctx{options.ctx_len}-p{options.prefill_seq_len}"
+
+
+def compile_for(model: str, batch: int, ks: Sequence[int], options: BenchOptions, root: Path) -> Path:
+    """A package for ``batch`` with ``ks`` (continuous batching above batch 1), reused when unchanged."""
+    from qspec.compile import CompileOptions, compile_package
+    from qspec.specializations import make_config
+
+    spec = make_config(
+        num_speculative_tokens=list(ks),
+        ctx_len=options.ctx_len,
+        prefill_seq_len=options.prefill_seq_len,
+        full_batch_size=batch if batch > 1 else None,
+    )
+    output = root / package_name(model, batch, ks, options)
+    folder, _, _ = compile_package(model, CompileOptions.create(specialization=spec), output=output)
+    return folder
+
+
+@dataclass(frozen=True)
+class Packages:
+    by_batch: dict[int, Path]  # every K of every K list (plus 0), one per max batch size
+    one_spec: Path | None  # K=0 only, for the memory comparison (None: memory off, or a package was given)
+
+
+def compile_packages(model: str, resolved: ResolvedModel, steps: Steps) -> Packages:
+    """One package per batch size (or the one given), plus the K=0 package when memory is measured."""
+    if resolved.given is not None:
+        return Packages(dict(resolved.given), None)
+    from qspec.export.exporter import cache_root
+
+    options = resolved.options
+    root = options.packages_dir or cache_root() / "bench-packages"
+    by_batch = {}
+    for batch in options.batch_sizes:
+        steps.say(f"compiling the batch {batch} package (K {list(options.all_ks)})")
+        by_batch[batch] = compile_for(model, batch, options.all_ks, options, root)
+        steps.step(f"package for batch {batch} ready")
+    one_spec = None
+    if options.memory:
+        steps.say("compiling the 1-specialization package for the memory comparison")
+        one_spec = compile_for(model, 1, (0,), options, root)
+        steps.step("1-specialization package ready")
+    return Packages(by_batch, one_spec)

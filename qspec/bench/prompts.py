@@ -1,0 +1,76 @@
+"""The prompt set of a bench run: MT-bench's ``question.jsonl`` (shipped) or any JSONL of prompts."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from qspec.errors import ConfigError
+
+MT_BENCH_FILE = Path("shared") / "data" / "mt_bench" / "question.jsonl"
+SHIPPED_MT_BENCH = Path(__file__).resolve().parents[1] / "data" / "mt_bench" / "question.jsonl"
+DEFAULT_CATEGORY = "all"
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    """One prompt of the set: its turns (MT-bench has two) and its category."""
+
+    id: str
+    category: str
+    turns: tuple[str, ...]
+
+
+def default_prompts_path() -> Path:
+    """MT-bench's ``question.jsonl``: ``$QSPEC_MT_BENCH``, ``../shared/data`` of the project, or the shipped copy."""
+    env = os.environ.get("QSPEC_MT_BENCH")
+    candidates = [Path(env)] if env else []
+    candidates += [Path.cwd().parent / MT_BENCH_FILE, Path(__file__).resolve().parents[3] / MT_BENCH_FILE]
+    candidates.append(SHIPPED_MT_BENCH)
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise ConfigError(
+        f"MT-bench questions not found (looked for {', '.join(str(p) for p in candidates)}); "
+        "give --prompts FILE.jsonl or set QSPEC_MT_BENCH"
+    )
+
+
+def _prompt_from_line(item: Any, number: int, path: Path) -> BenchPrompt:
+    if isinstance(item, str):
+        return BenchPrompt(str(number), DEFAULT_CATEGORY, (item,))
+    if not isinstance(item, dict):
+        raise ConfigError(f'{path}:{number}: expected a JSON object with "turns" or "prompt"')
+    turns = item.get("turns")
+    if turns is None:
+        turns = [item.get("prompt") or item.get("text")]
+    if not turns or not all(isinstance(t, str) and t for t in turns):
+        raise ConfigError(f'{path}:{number}: no "turns" list of strings, "prompt" or "text" string')
+    ident = str(item.get("question_id", item.get("id", number)))
+    return BenchPrompt(ident, str(item.get("category") or DEFAULT_CATEGORY), tuple(turns))
+
+
+def load_prompts(path: str | os.PathLike[str], *, per_category: int | None = None) -> list[BenchPrompt]:
+    """Prompts of a JSONL file (MT-bench lines, or ``{"prompt": ...}``); the first ``per_category`` of each."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"prompts file {path} does not exist")
+    prompts: list[BenchPrompt] = []
+    taken: Counter = Counter()
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            prompt = _prompt_from_line(json.loads(line), number, path)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path}:{number}: not JSON ({exc.msg}); one JSON object per line") from None
+        if per_category is None or taken[prompt.category] < per_category:
+            taken[prompt.category] += 1
+            prompts.append(prompt)
+    if not prompts:
+        raise ConfigError(f"prompts file {path} has no prompts")
+    return prompts

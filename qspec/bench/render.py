@@ -1,0 +1,178 @@
+"""The report's files: ``report.json`` (the typed report), ``report.md`` (its tables), ``throughput.png``."""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from qspec.bench.plan import HF_GREEDY
+from qspec.bench.report import BenchReport
+from qspec.errors import ConfigError
+
+
+def _fmt(value: Any, digits: int = 2) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(_fmt(v) if not isinstance(v, str) else v for v in row) + " |" for row in rows]
+    return lines
+
+
+def _calls_per_k(calls: dict[str, int]) -> str:
+    return " ".join(f"{k}:{v}" for k, v in calls.items() if k != "prefill" and v)
+
+
+def _header(report: BenchReport) -> list[str]:
+    meta, options, machine = report.meta, report.meta.options, report.meta.machine
+    versions = "".join(f", {name} {version}" for info in meta.runners.values() for name, version in info.versions.items())
+    phases = ", ".join(f"{k.removesuffix('_s').replace('_', ' ')} {v} s" for k, v in meta.phases.items())
+    lines = [
+        "# qspec bench",
+        "",
+        f"Model `{meta.model}`; {meta.prompts} prompts ({', '.join(meta.categories)}), "
+        f"turns {options.turns}, max_new_tokens {options.max_new_tokens}, ctx_len {options.ctx_len}, "
+        f"greedy. Started {meta.started}, {meta.wall_s} s in all ({phases}).",
+        f"Machine: {machine.cpu}, {machine.cores} cores, {machine.memory_gb} GB; onnxruntime "
+        f"{machine.onnxruntime}{versions}.",
+        "Rates are over each configuration's summed `generate` wall time; the configurations ran interleaved "
+        "round by round. Ratio: requests/s against `none` at the same max batch size. TTFT at batch > 1 includes "
+        "the wait for a slot. Other CPU: the share of the machine other processes used while a configuration ran.",
+    ]
+    return lines + [f"> Note: {note}" for note in meta.notes]
+
+
+def _equality(report: BenchReport) -> list[str]:
+    equality = report.equality
+    verdict = "equal" if equality.speculative_equal_none else "NOT equal"
+    lines = ["", "## Greedy outputs", ""]
+    lines.append(f"Every speculative configuration's greedy output is **{verdict}** to `none`'s at the same batch size.")
+    rows = [
+        [c.config, c.reference, c.kind, f"{c.equal}/{c.total}",
+         ", ".join(f"{m.request}@{m.first_difference_at}" for m in c.mismatches[:5]) or "–"]
+        for c in equality.checks
+    ]
+    lines += [""] + _table(["config", "reference", "kind", "equal", "first mismatches (request@token)"], rows)
+    targets = [[t.target, t.goal, t.measured, t.status] for t in report.targets]
+    return lines + ["", "## Targets", ""] + _table(["target", "goal", "measured", "status"], targets)
+
+
+def _configs(report: BenchReport) -> list[str]:
+    rows = []
+    for s in report.configs:
+        o = s.overall
+        rows.append([
+            s.key, o.requests_per_s, o.output_tokens_per_s, o.ttft_ms_median, o.tpot_ms_median,
+            o.mean_accepted_tokens, o.acceptance_rate, _calls_per_k(o.calls),
+            _fmt(o.peak_rss_mb, 0), _fmt(o.ratio_to_none, 3), f"{max(s.round_other_cpu or [0]):.0%}",
+        ])
+    header = ["config@batch", "req/s", "out tok/s", "TTFT ms (median)", "TPOT ms (median)", "tokens/call",
+              "acceptance", "calls per K", "peak RSS MB", "x none", "other CPU (worst round)"]
+    return ["", "## Per configuration", ""] + _table(header, rows)
+
+
+def _categories(report: BenchReport, batch: int) -> list[str]:
+    group = [s for s in report.configs if s.batch == batch]
+    categories = sorted({c for s in group for c in s.per_category})
+    rate = "the throughput" if batch == 1 else "a per-stream rate"
+    lines = ["", f"## Per category, batch {batch}", "", f"requests / Σ latency ({rate}), and × none", ""]
+    rows = []
+    for category in categories:
+        row = [category]
+        for s in group:
+            cell = s.per_category.get(category)
+            row.append("–" if cell is None else f"{cell.requests_per_s:.3f} ({_fmt(cell.ratio_to_none, 2)}×)")
+        rows.append(row)
+    return lines + _table(["category", *(s.name for s in group)], rows)
+
+
+def _micro(report: BenchReport) -> list[str]:
+    micro = report.micro
+    if not micro:
+        return []
+    lines = ["", "## One call per specialization", "",
+             f"Copy bandwidth {micro.copy_bandwidth_gb_s} GB/s (numpy copy, read + write counted); "
+             "floor = weight bytes / bandwidth.", ""]
+    rows = [
+        [p.batch, c.specialization, c.shape, c.tokens_per_call, c.median_ms, p.floor_ms, c.ratio_to_floor]
+        for p in micro.packages
+        for c in p.calls
+    ]
+    return lines + _table(["batch", "specialization", "shape", "tokens/call", "median ms", "floor ms", "x floor"], rows)
+
+
+def _memory(report: BenchReport) -> list[str]:
+    memory = report.memory
+    if not memory:
+        return []
+    lines = ["", "## Memory", "",
+             f"Each configuration in its own process: load, generate {memory.probe_prompts_max_new_tokens} tokens per "
+             "prompt (batch-size prompts), RSS after load and peak.", ""]
+    rows = [
+        [key, p.specializations, p.rss_loaded_mb, p.rss_after_generate_mb, p.peak_rss_mb]
+        for key, p in memory.probes.items()
+    ]
+    lines += _table(["config", "specializations", "RSS loaded MB", "RSS after generate MB", "peak RSS MB"], rows)
+    if memory.ratio:
+        lines += ["", f"Peak RSS with {memory.many_label}: {memory.many_peak_mb:.0f} MB, "
+                      f"{memory.ratio:.3f} × the K=0 package's {memory.one_peak_mb:.0f} MB "
+                      f"(`none` on both packages: {_fmt(memory.none_ratio, 3)} ×)."]
+    return lines
+
+
+def render_markdown(report: BenchReport) -> str:
+    """``report.md``: the tables of the report."""
+    lines = _header(report) + _equality(report) + _configs(report)
+    for batch in report.meta.options.batch_sizes:
+        lines += _categories(report, batch)
+    return "\n".join(lines + _micro(report) + _memory(report)) + "\n"
+
+
+def plot_throughput(report: BenchReport, path: Path) -> None:
+    """Requests/s against max batch size, one line per configuration (baselines as points at batch 1)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lines: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    for s in report.configs:
+        lines[s.name].append((s.batch, s.overall.requests_per_s))
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    for name, points in lines.items():
+        points.sort()
+        xs, ys = zip(*points)
+        style = "s--" if name.startswith(HF_GREEDY) else "o-"
+        axes.plot(xs, ys, style, label=name)
+    batches = sorted({s.batch for s in report.configs})
+    axes.set_xscale("log", base=2)
+    axes.set_xticks(batches, [str(b) for b in batches])
+    axes.set_xlabel("max batch size")
+    axes.set_ylabel("requests/s")
+    axes.set_title(f"qspec bench: {Path(report.meta.model).name}")
+    axes.grid(True, alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def write_report(report: BenchReport, folder: str | os.PathLike[str]) -> dict[str, Path]:
+    """Write ``report.json``, ``report.md`` and ``throughput.png`` into ``folder``; returns their paths."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"output {folder} is a file; give a folder")
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = {"json": folder / "report.json", "markdown": folder / "report.md", "plot": folder / "throughput.png"}
+    paths["json"].write_text(report.model_dump_json(indent=2) + "\n")
+    paths["markdown"].write_text(render_markdown(report))
+    plot_throughput(report, paths["plot"])
+    return paths

@@ -1,0 +1,202 @@
+"""The bench report as typed values, from where each part is made (analysis, micro, memory) to the renderers.
+
+:class:`BenchReport` is what :func:`qspec.bench.run_bench` returns and ``report.json`` holds
+(``model_dump_json``); :mod:`qspec.bench.render` and the CLI read its fields.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from qspec.bench.options import BenchOptions
+from qspec.runtime.metrics import EngineMetrics
+
+
+class ReportModel(BaseModel):
+    """Base of the report's parts: frozen, unknown keys refused (a typo is an error, not a new key)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Overall(ReportModel):
+    """A configuration's totals over every round: :class:`EngineMetrics` plus what the report adds."""
+
+    requests: int
+    wall_s: float
+    output_tokens: int
+    requests_per_s: float
+    output_tokens_per_s: float
+    ttft_ms_median: float
+    ttft_ms_mean: float
+    tpot_ms_median: float
+    tpot_ms_mean: float
+    mean_accepted_tokens: float
+    acceptance_rate: float | None  # None: the runtime does not say how many tokens it proposed
+    proposed: int
+    accepted: int
+    sequence_calls: int
+    calls: dict[str, int]  # "prefill" and one entry per K (a baseline: "forward")
+    ratio_to_none: float | None = None  # requests/s against none at the same batch size
+    peak_rss_mb: float | None = None
+
+    @classmethod
+    def from_metrics(cls, metrics: EngineMetrics, *, proposals_known: bool = True) -> Overall:
+        values = metrics.to_dict()
+        if not proposals_known:
+            values["acceptance_rate"] = None
+        return cls(**values)
+
+
+class CategoryRow(ReportModel):
+    """One category of one configuration: requests, tokens, Σ latency and the rates over it."""
+
+    requests: int
+    output_tokens: int
+    latency_s: float
+    requests_per_s: float
+    output_tokens_per_s: float
+    ratio_to_none: float | None = None
+
+
+class ConfigSummary(ReportModel):
+    """One configuration's results: overall, per category, and each round's wall time and contention."""
+
+    key: str  # pld[0,4]@1
+    name: str  # pld[0,4]
+    method: str
+    ks: list[int]
+    batch: int
+    backend: str  # qspec, transformers, or a peer runtime
+    overall: Overall
+    per_category: dict[str, CategoryRow]
+    round_walls_s: list[float]
+    round_other_cpu: list[float]  # other processes' CPU share during each round
+
+
+class MicroCall(ReportModel):
+    specialization: str  # prefill, K=0, K=4
+    shape: str
+    median_ms: float
+    tokens_per_call: int
+    ratio_to_floor: float
+
+
+class MicroPackage(ReportModel):
+    """One call per specialization of a package, against ``weight bytes / copy bandwidth``."""
+
+    batch: int
+    package: str
+    weight_bytes: int
+    floor_ms: float
+    iterations: int
+    calls: list[MicroCall]
+
+
+class MicroReport(ReportModel):
+    copy_bandwidth_gb_s: float
+    packages: list[MicroPackage]
+
+
+class MemoryProbe(ReportModel):
+    """One configuration loaded and run in its own process."""
+
+    rss_start_mb: float
+    rss_loaded_mb: float
+    rss_after_generate_mb: float
+    peak_rss_mb: float
+    specializations: int
+
+
+class MemoryReport(ReportModel):
+    """Every probe, and the peak RSS of the most specializations against the K=0-only package."""
+
+    probe_prompts_max_new_tokens: int
+    probes: dict[str, MemoryProbe]
+    one_peak_mb: float | None = None
+    many_peak_mb: float | None = None
+    many_config: str | None = None
+    many_label: str | None = None
+    ratio: float | None = None
+    none_ratio: float | None = None  # none on both packages: only the package differs
+
+
+class Mismatch(ReportModel):
+    request: str
+    first_difference_at: int
+    lengths: list[int]  # [mine, reference]
+
+
+class OutputComparison(ReportModel):
+    """How many requests' tokens equal the reference's, and where the others diverge."""
+
+    equal: int
+    total: int
+    mismatches: list[Mismatch]
+
+
+class EqualityCheck(OutputComparison):
+    config: str
+    reference: str
+    kind: Literal["batch", "baseline", "speculative"]
+
+
+class Equality(ReportModel):
+    speculative_equal_none: bool  # the headline: every speculative configuration reproduced none
+    all_equal: bool
+    checks: list[EqualityCheck]
+
+
+class Target(ReportModel):
+    target: str
+    goal: str
+    measured: str
+    status: Literal["PASS", "MISS", "n/a"]
+
+
+class MachineInfo(ReportModel):
+    cpu: str
+    cores: int
+    memory_gb: float
+    python: str
+    onnxruntime: str
+    numpy: str
+    qspec: str
+    other_processes_cpu_share: float
+
+
+class RunnerInfo(ReportModel):
+    """What a runtime outside qspec's engine (transformers, a peer) says about itself when loaded."""
+
+    versions: dict[str, str]
+    load_s: float | None = None
+    threads: int | None = None
+
+
+class Meta(ReportModel):
+    model: str
+    packages: dict[str, str]  # batch size -> package folder
+    started: str
+    wall_s: float
+    phases: dict[str, float]  # compile_s, load_s, ...
+    options: BenchOptions
+    prompts: int
+    categories: list[str]
+    machine: MachineInfo
+    runners: dict[str, RunnerInfo]  # backend name -> info, for every backend but qspec
+    notes: list[str]
+
+
+class BenchReport(ReportModel):
+    meta: Meta
+    configs: list[ConfigSummary]
+    micro: MicroReport | None
+    memory: MemoryReport | None
+    equality: Equality
+    targets: list[Target]
+    outputs: dict[str, dict[str, list[int]]]  # config key -> request id -> token ids
+
+    def config(self, key: str) -> ConfigSummary | None:
+        """The summary of configuration ``key`` (``none@1``), None when it did not run."""
+        return next((s for s in self.configs if s.key == key), None)

@@ -1,0 +1,260 @@
+"""The run: plan, compile, load the runners, micro-benchmark, interleaved timed rounds, memory, report.
+
+Every round runs every configuration, the order rotated by one each round, so machine drift hits all
+of them alike; every configuration gets the same token ids. Each configuration-round also records
+the share of the CPU other processes took (:class:`CpuMeter`).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import time
+from dataclasses import dataclass
+
+import psutil
+
+from qspec.bench.analysis import Collected, contention_notes, equality_checks, summarize, with_ratios
+from qspec.bench.machine import CpuMeter, copy_bandwidth, cpu_name, machine_versions, usable_cores
+from qspec.bench.memory import run_memory
+from qspec.bench.micro import micro_benchmark
+from qspec.bench.options import BenchOptions, quick_options
+from qspec.bench.packages import Packages, ResolvedModel, compile_packages, resolve_model
+from qspec.bench.plan import TRANSFORMERS, Progress, RunConfig, Steps, plan_configs, rotated, rounds
+from qspec.bench.prompts import BenchPrompt, default_prompts_path, load_prompts
+from qspec.bench.report import BenchReport, MachineInfo, MemoryReport, Meta, MicroReport, RunnerInfo
+from qspec.bench.runners import QspecRunner, Runner, TransformersRunner
+from qspec.bench.targets import evaluate_targets
+from qspec.errors import ConfigError
+
+Request = tuple[str, str, list[int]]  # (request id, category, prompt token ids)
+
+
+@dataclass(frozen=True)
+class BenchPlan:
+    """What a run will do, known before any work: the model, its options, configurations and prompts."""
+
+    model: str
+    resolved: ResolvedModel
+    configs: list[RunConfig]
+    prompts: list[BenchPrompt]
+
+    @property
+    def options(self) -> BenchOptions:
+        return self.resolved.options
+
+
+def make_plan(model: str, options: BenchOptions) -> BenchPlan:
+    """Resolve the model, plan the configurations, read the prompts; bad input fails here, before work."""
+    resolved = resolve_model(model, options)
+    options = resolved.options
+    configs = plan_configs(options, draft_slots=resolved.draft_slots)
+    prompts = load_prompts(options.prompts or default_prompts_path(), per_category=options.per_category)
+    if options.turns == 2 and not any(len(p.turns) >= 2 for p in prompts):
+        raise ConfigError("turns=2 needs prompts with two turns (MT-bench's \"turns\"); these have one")
+    return BenchPlan(model, resolved, configs, prompts)
+
+
+def count_units(plan: BenchPlan) -> int:
+    """Units of progress of the whole run (one per package, load, round of a configuration, probe)."""
+    options = plan.options
+    qspec_configs = [c for c in plan.configs if not c.baseline]
+    packages = len(options.batch_sizes) + (1 if options.memory and plan.resolved.given is None else 0)
+    turn2 = sum(1 for p in plan.prompts if len(p.turns) >= 2) if options.turns == 2 else 0
+    round_count = len(rounds(len(plan.prompts), options.round_size)) + len(rounds(turn2, options.round_size))
+    return (
+        packages
+        + len(options.batch_sizes)  # load
+        + len({c.backend for c in plan.configs if c.baseline})  # baseline loads
+        + (len(options.batch_sizes) if options.micro_iterations else 0)
+        + round_count * len(plan.configs)
+        + ((len(qspec_configs) + 1) if options.memory else 0)
+        + 1  # summaries
+    )
+
+
+def baseline_runners(plan: BenchPlan, eos_token_ids: list[int]) -> list[Runner]:
+    """A runner for every baseline backend the plan holds (a peer runtime adds its own here)."""
+    backends = {c.backend for c in plan.configs if c.baseline}
+    runners: list[Runner] = []
+    if TRANSFORMERS in backends:
+        runners.append(TransformersRunner(plan.resolved.source, num_threads=plan.options.num_threads,
+                                          eos_token_ids=eos_token_ids))
+    return runners
+
+
+def run_micro(models: dict, iterations: int, steps: Steps) -> MicroReport | None:
+    """One call per specialization of every loaded package, against the bandwidth floor."""
+    if not iterations:
+        return None
+    bandwidth = copy_bandwidth()
+    packages = []
+    for batch, model in models.items():
+        steps.say(f"micro-benchmark, batch {batch}")
+        packages.append(micro_benchmark(model, iterations, bandwidth, batch=batch))
+        steps.step(f"micro-benchmark, batch {batch} done")
+    return MicroReport(copy_bandwidth_gb_s=round(bandwidth / 1e9, 2), packages=packages)
+
+
+def run_phase(
+    plan: BenchPlan, runners: dict[str, Runner], requests: list[Request], collected: dict[str, Collected], turn: int,
+    steps: Steps,
+) -> None:
+    """Every configuration on every round of ``requests``, the order rotated by one each round."""
+    max_new_tokens = plan.options.max_new_tokens
+    for number, indices in enumerate(rounds(len(requests), plan.options.round_size)):
+        batch = [requests[i] for i in indices]
+        ids = [r[2] for r in batch]
+        for config in rotated(plan.configs, number):
+            steps.say(f"turn {turn}, round {number + 1}: {config.key}")
+            meter = CpuMeter()
+            result = runners[config.key].run(config, ids, max_new_tokens)
+            c = collected[config.key]
+            for (rid, category, _), request in zip(batch, result.requests):
+                c.requests[rid] = (category, request)
+            c.walls.append(result.wall_s)
+            c.other_cpu.append(meter.other_share())
+            c.calls.update(result.calls)
+            steps.step(f"turn {turn}, round {number + 1}: {config.key} done")
+
+
+def run_timed(plan: BenchPlan, runners: dict[str, Runner], encode, steps: Steps) -> dict[str, Collected]:
+    """Turn 1 on every prompt; with ``turns=2`` the follow-ups, with ``none``'s first answer fed back."""
+    collected = {c.key: Collected(c) for c in plan.configs}
+    first = [(p.id, p.category, encode([{"role": "user", "content": p.turns[0]}])) for p in plan.prompts]
+    run_phase(plan, runners, first, collected, 1, steps)
+    if plan.options.turns == 2:
+        answers = collected[f"none@{plan.options.batch_sizes[0]}"].requests
+        second = []
+        for p in [p for p in plan.prompts if len(p.turns) >= 2]:
+            messages = [
+                {"role": "user", "content": p.turns[0]},
+                {"role": "assistant", "content": answers[p.id][1].text},
+                {"role": "user", "content": p.turns[1]},
+            ]
+            second.append((f"{p.id}/2", p.category, encode(messages)))
+        run_phase(plan, runners, second, collected, 2, steps)
+    return collected
+
+
+class Laps:
+    """Seconds per phase of the run, in order."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, float] = {}
+        self._mark = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name] = round(now - self._mark, 1)
+        self._mark = now
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What the measuring phases produced, for :func:`build_report`."""
+
+    collected: dict[str, Collected]
+    micro: MicroReport | None
+    memory: MemoryReport | None
+    runner_info: dict[str, RunnerInfo]
+    baseline_peaks: dict[str, float | None]  # backend -> peak RSS MB of its process
+
+
+def _measure(plan: BenchPlan, packages: Packages, steps: Steps, laps: Laps) -> Measured:
+    """Load the runners, then micro-benchmark, timed rounds and memory probes."""
+    options = plan.options
+    qspec = QspecRunner(packages.by_batch, [c for c in plan.configs if not c.baseline], num_threads=options.num_threads,
+                        dispatch=options.dispatch, draft_package=options.draft_package)
+    qspec.start(steps)
+    baselines = baseline_runners(plan, sorted(qspec.first_engine.eos_token_ids))
+    try:
+        info = {r.backend: r.start(steps) for r in baselines}
+        laps.lap("load_s")
+        micro = run_micro(qspec.models, options.micro_iterations, steps)
+        laps.lap("micro_s")
+        runners = {c.key: r for r in [qspec, *baselines] for c in r.configs}
+        missing = [c.key for c in plan.configs if c.key not in runners]
+        assert not missing, f"configurations without a runner: {missing}"
+        collected = run_timed(plan, runners, qspec.encode_chat, steps)
+        laps.lap("timed_rounds_s")
+        peaks = {r.backend: r.stop() for r in baselines}
+    finally:
+        for runner in baselines:
+            runner.close()
+    memory = None
+    if options.memory:
+        prompt_ids = [qspec.encode_chat([{"role": "user", "content": p.turns[0]}]) for p in plan.prompts]
+        memory = run_memory(plan.configs, packages.by_batch, packages.one_spec, prompt_ids,
+                            max_new_tokens=options.max_new_tokens, num_threads=options.num_threads,
+                            draft_package=options.draft_package, steps=steps)
+    laps.lap("memory_s")
+    runner_info = {backend: i for backend, i in info.items() if i is not None}
+    return Measured(collected, micro, memory, runner_info, peaks)
+
+
+def _peak_rss(config: RunConfig, measured: Measured) -> float | None:
+    if config.baseline:
+        return measured.baseline_peaks.get(config.backend)
+    probe = measured.memory.probes.get(config.key) if measured.memory else None
+    return probe.peak_rss_mb if probe else None
+
+
+def machine_info(other_cpu: float) -> MachineInfo:
+    return MachineInfo(
+        cpu=cpu_name(), cores=usable_cores(), memory_gb=round(psutil.virtual_memory().total / 1e9, 1),
+        other_processes_cpu_share=other_cpu, **machine_versions(),
+    )
+
+
+def build_report(plan: BenchPlan, packages: Packages, measured: Measured, *, started: str, wall_s: float,
+                 phases: dict[str, float], other_cpu: float) -> BenchReport:
+    """Summaries, ratios, equality checks and targets of what was measured, as one typed report."""
+    collected = measured.collected
+    summaries = with_ratios([summarize(c, peak_rss_mb=_peak_rss(c.config, measured)) for c in collected.values()])
+    notes = list(plan.resolved.notes) + contention_notes(other_cpu, {s.key: s.round_other_cpu for s in summaries})
+    meta = Meta(
+        model=plan.model,
+        packages={str(b): str(p) for b, p in packages.by_batch.items()},
+        started=started,
+        wall_s=wall_s,
+        phases=phases,
+        options=plan.options,
+        prompts=len(plan.prompts),
+        categories=sorted({p.category for p in plan.prompts}),
+        machine=machine_info(other_cpu),
+        runners=measured.runner_info,
+        notes=notes,
+    )
+    return BenchReport(
+        meta=meta,
+        configs=summaries,
+        micro=measured.micro,
+        memory=measured.memory,
+        equality=equality_checks(collected),
+        targets=evaluate_targets(summaries, measured.memory),
+        outputs={key: c.tokens() for key, c in collected.items()},
+    )
+
+
+def run_bench(
+    model: str | os.PathLike[str], options: BenchOptions | None = None, *, progress: Progress | None = None
+) -> BenchReport:
+    """Run the benchmark of ``model`` (a ``.gguf``, a Hugging Face folder or a compiled package).
+
+    Returns the typed report; :func:`qspec.bench.write_report` writes it out. Raises a QSpecError
+    subclass (one line, with the fix) for bad options and failed steps.
+    """
+    started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    begin = time.perf_counter()
+    meter = CpuMeter()
+    plan = make_plan(str(model), options or quick_options())
+    steps = Steps(progress, count_units(plan))
+    laps = Laps()
+    packages = compile_packages(plan.model, plan.resolved, steps)
+    laps.lap("compile_s")
+    measured = _measure(plan, packages, steps, laps)
+    other_cpu = meter.other_share()
+    steps.step("report ready")
+    return build_report(plan, packages, measured, started=started, wall_s=round(time.perf_counter() - begin, 1),
+                        phases=laps.phases, other_cpu=other_cpu)

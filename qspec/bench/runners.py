@@ -1,0 +1,184 @@
+"""The runtimes a bench run measures, behind one small interface: :class:`Runner`.
+
+The run loop knows only ``Runner``: it gives every configuration the same prompt token ids and gets
+back, per request, the token ids and :class:`RequestMetrics`. qspec's own engine is one runner
+(:class:`QspecRunner`); the transformers baseline another (:class:`TransformersRunner`, in a worker
+process). A peer runtime (ONNX Runtime GenAI, llama.cpp, ...) plugs in the same way: subclass
+``Runner``, declare its configurations (``RunConfig(..., backend=its name)``, batch 1 like the
+transformers baseline, or more), and add it in :func:`qspec.bench.run.baseline_runners`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from qspec.bench.machine import usable_cores
+from qspec.bench.plan import HF_LOOKUP, TRANSFORMERS, RunConfig, Steps, transformers_configs
+from qspec.bench.report import RunnerInfo
+from qspec.bench.workers import Worker
+from qspec.runtime.metrics import RequestMetrics
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    """One request of a round: its generated token ids, text ("" when the runtime does not decode) and metrics."""
+
+    tokens: list[int]
+    text: str
+    metrics: RequestMetrics
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """One configuration on one round: a result per prompt (in order), the wall time, calls per kind."""
+
+    requests: list[RequestResult]
+    wall_s: float
+    calls: Counter = field(default_factory=Counter)  # "prefill" and one entry per K (a baseline: "forward")
+
+
+class Runner(ABC):
+    """A runtime that runs some of the bench's configurations on token ids, greedy.
+
+    Lifecycle: ``start`` once (load; may take long), ``run`` once per configuration and round,
+    ``stop`` once at the end (its process's peak RSS), ``close`` always (also after an error).
+    """
+
+    backend: str  # "qspec", "transformers", or a peer's name; RunConfig.backend of its configurations
+    configs: list[RunConfig]
+
+    def start(self, steps: Steps) -> RunnerInfo | None:
+        """Load the runtime; what it says about itself (versions, load time) for the report."""
+        return None
+
+    @abstractmethod
+    def run(self, config: RunConfig, prompts: list[list[int]], max_new_tokens: int) -> RoundResult:
+        """Generate ``max_new_tokens`` greedy tokens for each prompt (token ids) with ``config``."""
+
+    def stop(self) -> float | None:
+        """Peak RSS (MB) of the runtime's own process; None when it shares the bench's process."""
+        return None
+
+    def close(self) -> None:
+        """Release what ``start`` took; safe to call twice."""
+
+
+def engine_knobs(method: str, draft_package: Path | None) -> dict[str, Any]:
+    """The engine options a method needs besides its K list."""
+    return {"draft_package": draft_package} if method == "draft" else {}
+
+
+class QspecRunner(Runner):
+    """qspec's engine: one loaded model per batch-size package, one Engine per configuration on it.
+
+    At batch 1 each prompt is its own ``generate`` call (TTFT without queueing); at batch B the
+    round is one ``generate`` call (continuous batching: TTFT includes the wait for a slot).
+    """
+
+    backend = "qspec"
+
+    def __init__(
+        self, packages: dict[int, Path], configs: list[RunConfig], *, num_threads: int | None, dispatch: str,
+        draft_package: Path | None,
+    ) -> None:
+        self.packages = packages
+        self.configs = configs
+        self.num_threads = num_threads
+        self.dispatch = dispatch
+        self.draft_package = draft_package
+        self.models: dict[int, Any] = {}  # batch -> CompiledModel
+        self.engines: dict[str, Any] = {}  # config key -> Engine
+
+    def start(self, steps: Steps) -> RunnerInfo | None:
+        from qspec.runtime import Engine
+        from qspec.runtime.model import CompiledModel
+
+        for batch, package in self.packages.items():
+            steps.say(f"loading the batch {batch} package")
+            model = self.models[batch] = CompiledModel(package, num_threads=self.num_threads)
+            for config in [c for c in self.configs if c.batch == batch]:
+                # Engines on one loaded model share its weights, sessions and KV cache, one at a time.
+                self.engines[config.key] = Engine(
+                    package, method=config.method, num_speculative_tokens=list(config.ks), dispatch=self.dispatch,
+                    model=model, **engine_knobs(config.method, self.draft_package),
+                )
+            steps.step(f"batch {batch} engines ready")
+        return None
+
+    @property
+    def first_engine(self):
+        return self.engines[self.configs[0].key]
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a chat (the package's template), the same for every configuration."""
+        return self.first_engine.encode(messages, chat=True)
+
+    def run(self, config: RunConfig, prompts: list[list[int]], max_new_tokens: int) -> RoundResult:
+        from qspec.runtime import SamplingParams
+
+        engine = self.engines[config.key]
+        params = SamplingParams(max_new_tokens=max_new_tokens)
+        groups = [[p] for p in prompts] if config.batch == 1 else [prompts]
+        results, wall, calls = [], 0.0, Counter()
+        for group in groups:
+            outputs = engine.generate(group, params)
+            results += [RequestResult(list(o.token_ids), o.text, o.metrics) for o in outputs]
+            wall += engine.last_metrics.wall_s
+            calls.update(engine.last_metrics.calls)
+        return RoundResult(results, wall, calls)
+
+
+def _transformers_request(result: dict) -> RequestMetrics:
+    """A transformers generation as RequestMetrics: decode calls = forwards after the prefill."""
+    tokens = len(result["tokens"])
+    calls = max(result["forwards"] - 1, 0)
+    metrics = RequestMetrics(arrival=result["start"], first_token_time=result["first"], finish_time=result["finish"])
+    metrics.output_tokens = tokens
+    metrics.target_calls = calls
+    metrics.accepted = max(tokens - 1 - calls, 0)  # tokens beyond one per call came from lookup
+    return metrics
+
+
+class TransformersRunner(Runner):
+    """``generate(do_sample=False)`` and ``generate(prompt_lookup_num_tokens=4)`` at batch 1, in a worker process."""
+
+    backend = TRANSFORMERS
+
+    def __init__(self, source: str, *, num_threads: int | None, eos_token_ids: list[int]) -> None:
+        self.source = source
+        self.threads = num_threads or usable_cores()
+        self.eos_token_ids = eos_token_ids
+        self.configs = transformers_configs()
+        self.worker: Worker | None = None
+
+    def start(self, steps: Steps) -> RunnerInfo:
+        steps.say("loading the transformers model (a worker process)")
+        self.worker = Worker("transformers", self.source, self.threads, self.eos_token_ids)
+        loaded = self.worker.receive("loading the transformers model")
+        steps.step("transformers model loaded")
+        return RunnerInfo(versions=loaded["versions"], load_s=loaded["load_s"], threads=self.threads)
+
+    def run(self, config: RunConfig, prompts: list[list[int]], max_new_tokens: int) -> RoundResult:
+        assert self.worker is not None, "TransformersRunner.run before start"
+        answers = self.worker.ask(config.key, (config.method == HF_LOOKUP, prompts, max_new_tokens))
+        results = [RequestResult(a["tokens"], "", _transformers_request(a)) for a in answers]
+        wall = sum(r.metrics.e2e_s for r in results)
+        calls = Counter(prefill=len(answers), forward=sum(a["forwards"] for a in answers))
+        return RoundResult(results, wall, calls)
+
+    def stop(self) -> float | None:
+        if self.worker is None:
+            return None
+        try:
+            return self.worker.ask("stopping the transformers worker", "stop")["peak_rss_mb"]
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None

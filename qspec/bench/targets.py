@@ -1,0 +1,97 @@
+"""The issue's targets (SmolLM2-135M fp32 on the 2-core machine), each with PASS / MISS / n/a and its numbers."""
+
+from __future__ import annotations
+
+from qspec.bench.analysis import ratio
+from qspec.bench.plan import HF_GREEDY, HF_LOOKUP, HF_LOOKUP_TOKENS, QSPEC
+from qspec.bench.report import ConfigSummary, MemoryReport, Target
+
+TARGET_CATEGORY_FLOOR = 0.98  # variable K / none on every category, batch 1
+TARGET_VARIABLE_SPEEDUP = 1.3  # variable K / none requests/s, batch 1
+TARGET_VS_HF_GREEDY = 2.5  # qspec none / transformers greedy tokens/s
+TARGET_VS_HF_LOOKUP = 3.0  # qspec variable K / transformers prompt lookup tokens/s
+TARGET_MEMORY_RATIO = 1.3  # peak RSS with 5 specializations / with 1
+
+
+def _target(name: str, goal: str, measured: str, passed: bool | None) -> Target:
+    status = "n/a" if passed is None else ("PASS" if passed else "MISS")
+    return Target(target=name, goal=goal, measured=measured, status=status)
+
+
+def _at_least(name: str, value: float | None, goal: float, *, suffix: str = "", digits: int = 2, missing: str = "not run"):
+    """A ``>= goal x`` target on a ratio that may be missing (configuration not run)."""
+    measured = f"{value:.{digits}f} x" if value is not None else missing
+    return _target(name, f">= {goal} x{suffix}", measured, value >= goal if value is not None else None)
+
+
+def _category_floor(s: ConfigSummary) -> Target:
+    ratios = {c: row.ratio_to_none for c, row in s.per_category.items() if row.ratio_to_none is not None}
+    worst = min(ratios, key=ratios.get) if ratios else None
+    return _target(
+        f"{s.name} vs none per category (batch 1)",
+        f">= {TARGET_CATEGORY_FLOOR} x none on every category",
+        f"lowest {ratios[worst]:.3f} x ({worst})" if worst else "no categories",
+        ratios[worst] >= TARGET_CATEGORY_FLOOR if worst else None,
+    )
+
+
+def _variable_vs_fixed(s: ConfigSummary, f: ConfigSummary) -> Target:
+    pairs = {"overall": ratio(s.overall.requests_per_s, f.overall.requests_per_s)}
+    if s.batch == 1:  # per category, requests/s is a throughput at batch 1 only
+        for c, row in s.per_category.items():
+            reference = f.per_category.get(c)
+            pairs[c] = ratio(row.requests_per_s, reference.requests_per_s if reference else None)
+    pairs = {k: v for k, v in pairs.items() if v is not None}
+    worst = min(pairs, key=pairs.get)
+    return _target(
+        f"{s.key} vs {f.key}",
+        ">= fixed K overall" + (" and on every category" if s.batch == 1 else ""),
+        f"lowest {pairs[worst]:.3f} x ({worst})",
+        pairs[worst] >= 1.0,
+    )
+
+
+def _memory_target(memory: MemoryReport | None) -> Target:
+    value = memory.ratio if memory else None
+    label = (memory.many_label if memory else None) or "5 specializations"
+    return _target(
+        f"peak RSS, {label} / 1",
+        f"<= {TARGET_MEMORY_RATIO} x",
+        f"{value:.3f} x ({memory.many_peak_mb:.0f} / {memory.one_peak_mb:.0f} MB)" if value else "not measured",
+        value <= TARGET_MEMORY_RATIO if value else None,
+    )
+
+
+def _tokens_ratio(s: ConfigSummary | None, reference: ConfigSummary | None) -> float | None:
+    if s is None or reference is None:
+        return None
+    return ratio(s.overall.output_tokens_per_s, reference.overall.output_tokens_per_s)
+
+
+def evaluate_targets(summaries: list[ConfigSummary], memory: MemoryReport | None) -> list[Target]:
+    """The issue's targets, each with PASS / MISS / n/a and the numbers behind it."""
+    by_key = {s.key: s for s in summaries}
+    variable = [s for s in summaries if s.backend == QSPEC and len(s.ks) > 1]
+    fixed = [s for s in summaries if s.backend == QSPEC and s.method != "none" and len(s.ks) == 1]
+    targets = [_category_floor(s) for s in variable if s.batch == 1]
+    for s in variable:
+        targets += [_variable_vs_fixed(s, f) for f in fixed if f.method == s.method and f.batch == s.batch]
+    for s in [s for s in variable if s.batch == 1]:
+        targets.append(
+            _at_least(
+                f"{s.name} vs none, requests/s (batch 1)",
+                s.overall.ratio_to_none,
+                TARGET_VARIABLE_SPEEDUP,
+                suffix=" none",
+                digits=3,
+                missing="no none run",
+            )
+        )
+    none, hf_pld = by_key.get("none@1"), by_key.get(f"{HF_LOOKUP}[{HF_LOOKUP_TOKENS}]@1")
+    value = _tokens_ratio(none, by_key.get(f"{HF_GREEDY}@1"))
+    targets.append(_at_least("qspec none vs transformers greedy, tokens/s", value, TARGET_VS_HF_GREEDY))
+    for s in [s for s in variable if s.batch == 1 and s.method == "pld"]:
+        value = _tokens_ratio(s, hf_pld)
+        targets.append(_at_least(f"qspec {s.name} vs transformers prompt lookup, tokens/s", value, TARGET_VS_HF_LOOKUP))
+    targets.append(_memory_target(memory))
+    return targets

@@ -1,0 +1,196 @@
+"""Child processes of a bench run: the memory probes and the transformers baseline.
+
+Each runs in a clean interpreter (a plain subprocess; messages over a socket), so torch's memory and
+threads never sit in the engine's process and a probe's RSS is its configuration's alone.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from qspec.bench.machine import peak_rss_mb, rss_mb
+from qspec.bench.plan import HF_LOOKUP_TOKENS
+from qspec.errors import QSpecError
+
+WORKER_TIMEOUT_S = 3600
+
+
+class BenchError(QSpecError):
+    """A benchmark step failed (a worker process died, a baseline could not load)."""
+
+
+class Worker:
+    """A child interpreter running ``TARGETS[target](conn, *args)``; messages go over a socket.
+
+    A plain subprocess, not ``multiprocessing``: spawn re-imports the caller's main module (a
+    script without a ``__main__`` guard would start itself again), fork would inherit ONNX
+    Runtime's threads. The child's stdout is discarded and its stderr kept for error messages.
+    """
+
+    def __init__(self, target: str, *args: Any):
+        import socket
+        import subprocess
+        import sys
+        import tempfile
+        from multiprocessing.connection import Connection
+
+        parent, child = socket.socketpair()
+        self.stderr = tempfile.TemporaryFile()
+        code = f"from qspec.bench.workers import worker_main; worker_main({child.fileno()})"
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", code],
+            pass_fds=[child.fileno()],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=self.stderr,
+        )
+        child.close()
+        self.conn = Connection(parent.detach())
+        self.conn.send((target, args))
+
+    def _stderr_tail(self) -> str:
+        self.stderr.seek(0)
+        lines = self.stderr.read().decode(errors="replace").strip().splitlines()
+        return lines[-1] if lines else "no message"
+
+    def receive(self, what: str) -> Any:
+        if not self.conn.poll(WORKER_TIMEOUT_S):
+            self.close()
+            raise BenchError(f"{what}: no answer from the worker process in {WORKER_TIMEOUT_S} s")
+        try:
+            answer = self.conn.recv()
+        except EOFError:
+            self.close()
+            code = self.process.returncode
+            raise BenchError(f"{what}: the worker process died (exit code {code}: {self._stderr_tail()})") from None
+        if isinstance(answer, dict) and "error" in answer:
+            self.close()
+            raise BenchError(f"{what}: {answer['error']}")
+        return answer
+
+    def ask(self, what: str, message: Any) -> Any:
+        self.conn.send(message)
+        return self.receive(what)
+
+    def close(self) -> None:
+        self.conn.close()
+        try:
+            self.process.wait(timeout=30)
+        except Exception:
+            self.process.kill()
+            self.process.wait()
+        self.stderr.close()
+
+
+def worker_main(fd: int) -> None:
+    """Entry point of a :class:`Worker` child: receive ``(target name, args)`` and run it."""
+    from multiprocessing.connection import Connection
+
+    conn = Connection(fd)
+    target, args = conn.recv()
+    assert target in TARGETS, f"unknown worker target {target!r}"
+    TARGETS[target](conn, *args)
+
+
+def probe_main(
+    conn,
+    package: str,
+    method: str,
+    ks: list[int],
+    knobs: dict,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    num_threads: int | None,
+) -> None:
+    """Child: load one configuration's engine, generate ``prompts``, send RSS after load and peak."""
+    try:
+        from qspec.runtime import Engine, SamplingParams
+
+        start = rss_mb()
+        engine = Engine(package, method=method, num_speculative_tokens=ks, num_threads=num_threads, **knobs)
+        loaded = rss_mb()
+        engine.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens))
+        conn.send(
+            {
+                "rss_start_mb": round(start, 1),
+                "rss_loaded_mb": round(loaded, 1),
+                "rss_after_generate_mb": round(rss_mb(), 1),
+                "peak_rss_mb": round(peak_rss_mb(), 1),
+                "specializations": len(engine.model.bindings),
+            }
+        )
+    except Exception as exc:  # sent to the parent, which raises it as a BenchError
+        conn.send({"error": f"{type(exc).__name__}: {exc}"})
+    finally:
+        conn.close()
+
+
+def transformers_main(conn, model_ref: str, num_threads: int, eos_token_ids: list[int]) -> None:
+    """Child: load the transformers model, then answer ``(lookup, prompts, max_new_tokens)`` requests."""
+    try:
+        import torch
+        import transformers
+        from transformers.generation.streamers import BaseStreamer
+
+        from qspec.export.loader import load_model, resolve_source
+
+        transformers.logging.set_verbosity_error()
+        torch.set_num_threads(num_threads)
+        begin = time.perf_counter()
+        model, _ = load_model(resolve_source(model_ref))
+        forwards = [0]
+        model.register_forward_hook(lambda *args: forwards.__setitem__(0, forwards[0] + 1))
+
+        class FirstToken(BaseStreamer):
+            """Notes when the first generated token arrives (the first ``put`` is the prompt)."""
+
+            def __init__(self) -> None:
+                self.puts, self.time = 0, 0.0
+
+            def put(self, value) -> None:
+                self.puts += 1
+                if self.puts == 2:
+                    self.time = time.perf_counter()
+
+            def end(self) -> None:
+                pass
+
+        def generate(ids: list[int], lookup: bool, max_new_tokens: int) -> dict:
+            extra = {"prompt_lookup_num_tokens": HF_LOOKUP_TOKENS} if lookup else {}
+            streamer = FirstToken()
+            forwards[0] = 0
+            input_ids = torch.tensor([ids], dtype=torch.long)
+            start = time.perf_counter()
+            with torch.inference_mode():
+                out = model.generate(
+                    input_ids,
+                    attention_mask=torch.ones_like(input_ids),
+                    do_sample=False,
+                    max_new_tokens=max_new_tokens,
+                    eos_token_id=eos_token_ids,
+                    pad_token_id=eos_token_ids[0],
+                    streamer=streamer,
+                    **extra,
+                )
+            finish = time.perf_counter()
+            tokens = out[0, len(ids) :].tolist()
+            first = streamer.time or finish
+            return {"tokens": tokens, "start": start, "first": first, "finish": finish, "forwards": forwards[0]}
+
+        versions = {"torch": torch.__version__, "transformers": transformers.__version__}
+        conn.send({"load_s": round(time.perf_counter() - begin, 2), "versions": versions})
+        while True:
+            message = conn.recv()
+            if message == "stop":
+                conn.send({"peak_rss_mb": round(peak_rss_mb(), 1), "rss_mb": round(rss_mb(), 1)})
+                return
+            lookup, prompts, max_new_tokens = message
+            conn.send([generate(ids, lookup, max_new_tokens) for ids in prompts])
+    except Exception as exc:  # sent to the parent, which raises it as a BenchError
+        conn.send({"error": f"transformers baseline: {type(exc).__name__}: {exc}"})
+    finally:
+        conn.close()
+
+
+TARGETS = {"probe": probe_main, "transformers": transformers_main}
