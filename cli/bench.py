@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from qspec_cli.common import console, run_guarded
+from qspec_cli.common import (
+    DEFAULT_CTX_LEN,
+    DEFAULT_PREFILL_SEQ_LEN,
+    CtxLenOption,
+    DispatchOption,
+    DraftPackageOption,
+    PrefillSeqLenOption,
+    console,
+    run_guarded,
+)
 
 if TYPE_CHECKING:
     from qspec.bench import BenchOptions, BenchReport
@@ -26,46 +35,30 @@ def bench(
     batch_sizes: Annotated[Optional[str], typer.Option(help="Max batch sizes, e.g. 1,4.")] = None,
     methods: Annotated[Optional[str], typer.Option(help="Speculative methods besides none: pld,suffix,draft.")] = None,
     k_lists: Annotated[Optional[str], typer.Option(help="K lists separated by ';', e.g. '4;0,4;0,1,2,4,8'.")] = None,
-    draft_package: Annotated[Optional[Path], typer.Option(help="Draft model package (adds method draft).")] = None,
+    draft_package: DraftPackageOption = None,
     baselines: Annotated[bool, typer.Option(help="Run the transformers baselines (batch 1).")] = True,
     memory: Annotated[bool, typer.Option(help="Measure peak RSS per configuration, one process each.")] = True,
     micro_iterations: Annotated[Optional[int], typer.Option(help="Calls per specialization in the micro-benchmark; 0 = skip.")] = None,
     round_size: Annotated[Optional[int], typer.Option(help="Prompts per interleaving round.")] = None,
-    ctx_len: Annotated[Optional[int], typer.Option(help="KV cache length of the compiled packages.")] = None,
-    prefill_seq_len: Annotated[Optional[int], typer.Option(help="Tokens per prefill call.")] = None,
+    ctx_len: CtxLenOption = DEFAULT_CTX_LEN,
+    prefill_seq_len: PrefillSeqLenOption = DEFAULT_PREFILL_SEQ_LEN,
     num_threads: Annotated[Optional[int], typer.Option(help="Threads for ONNX Runtime and torch (default: all cores).")] = None,
     packages_dir: Annotated[Optional[Path], typer.Option(help="Where compiled packages are cached.")] = None,
-    dispatch: Annotated[Optional[str], typer.Option(help="cover (smallest K covering the drafts) or cost (most tokens per ms).")] = None,
+    dispatch: DispatchOption = "cover",
     as_json: Annotated[bool, typer.Option("--json", help="Print the whole report as JSON on stdout.")] = False,
 ) -> None:
     """Benchmark none / fixed K / variable K (and transformers) on a prompt set; write a report."""
 
     def work() -> None:
-        from qspec.bench import full_options, quick_options, run_bench, write_report
+        from qspec.bench import bench_options, run_bench, write_report
 
-        overrides: dict[str, Any] = {
-            "prompts": prompts,
-            "turns": turns,
-            "max_new_tokens": max_new_tokens,
-            "batch_sizes": batch_sizes,
-            "methods": methods,
-            "k_lists": k_lists,
-            "micro_iterations": micro_iterations,
-            "round_size": round_size,
-            "ctx_len": ctx_len,
-            "prefill_seq_len": prefill_seq_len,
-            "num_threads": num_threads,
-            "packages_dir": packages_dir,
-            "dispatch": dispatch,
-        }
-        overrides = {key: value for key, value in overrides.items() if value is not None}
-        if per_category is not None:
-            overrides["per_category"] = per_category or None
-        if draft_package is not None:
-            overrides["draft_package"] = draft_package
-            if methods is None:
-                overrides["methods"] = "pld,suffix,draft"
-        options = (full_options if full else quick_options)(baselines=baselines, memory=memory, **overrides)
+        options = bench_options(
+            full=full, prompts=prompts, per_category=per_category, turns=turns, max_new_tokens=max_new_tokens,
+            batch_sizes=batch_sizes, methods=methods, k_lists=k_lists, draft_package=draft_package,
+            baselines=baselines, memory=memory, micro_iterations=micro_iterations, round_size=round_size,
+            ctx_len=ctx_len, prefill_seq_len=prefill_seq_len, num_threads=num_threads, packages_dir=packages_dir,
+            dispatch=dispatch,
+        )
         report = _run_with_progress(model, options, run_bench)
         paths = write_report(report, output)
         if as_json:

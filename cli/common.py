@@ -1,18 +1,33 @@
-"""What every command shares: the error boundary, progress on stderr, prompt files."""
+"""What every command shares: the error boundary, progress on stderr."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
 
 console = Console(stderr=True, highlight=False)
+
+# Options more than one command takes: one definition each (flag, help), one default.
+DEFAULT_CTX_LEN = 1024
+DEFAULT_PREFILL_SEQ_LEN = 32
+KsOption = Annotated[
+    str, typer.Option("--num-speculative-tokens", "-k", help="Speculative lengths K to compile, e.g. 0,4.")
+]
+PrefillSeqLenOption = Annotated[int, typer.Option(help="Tokens per prefill call.")]
+CtxLenOption = Annotated[int, typer.Option(help="KV cache length (prompt + output).")]
+BatchSizeOption = Annotated[int, typer.Option(help="Rows per prefill call.")]
+FullBatchSizeOption = Annotated[Optional[int], typer.Option(help="KV slots for continuous batching.")]
+SpecFormatOption = Annotated[str, typer.Option(help="specializations.json format: flat or named.")]
+DraftPackageOption = Annotated[Optional[Path], typer.Option(help="The draft model's package (method draft).")]
+DispatchOption = Annotated[
+    str, typer.Option(help="cover: smallest K covering the drafts; cost: most tokens per ms.")
+]
 
 
 def debug_enabled() -> bool:
@@ -64,29 +79,3 @@ def status(title: str) -> Iterator[Callable[[str], None]]:
             spinner.update(message)
 
         yield say
-
-
-def read_prompts(path: Path) -> list[str]:
-    """Prompts of a JSONL file: each line's ``prompt``, ``text`` or first of ``turns``."""
-    from qspec.errors import ConfigError
-
-    if not path.is_file():
-        raise ConfigError(f"prompts file {path} does not exist")
-    prompts = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path}:{number}: not JSON ({exc.msg}); one JSON object per line") from None
-        if isinstance(item, str):
-            prompts.append(item)
-            continue
-        value = item.get("prompt") or item.get("text") or (item.get("turns") or [None])[0] if isinstance(item, dict) else None
-        if not isinstance(value, str):
-            raise ConfigError(f'{path}:{number}: no "prompt", "text" or "turns" string')
-        prompts.append(value)
-    if not prompts:
-        raise ConfigError(f"prompts file {path} has no prompts")
-    return prompts

@@ -10,7 +10,21 @@ from typing import Annotated, Optional
 
 import typer
 
-from qspec_cli.common import console, run_guarded, status
+from qspec_cli.common import (
+    DEFAULT_CTX_LEN,
+    DEFAULT_PREFILL_SEQ_LEN,
+    BatchSizeOption,
+    CtxLenOption,
+    DispatchOption,
+    DraftPackageOption,
+    FullBatchSizeOption,
+    KsOption,
+    PrefillSeqLenOption,
+    SpecFormatOption,
+    console,
+    run_guarded,
+    status,
+)
 
 app = typer.Typer(
     name="qspec",
@@ -19,10 +33,6 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-
-KsOption = Annotated[
-    str, typer.Option("--num-speculative-tokens", "-k", help="Speculative lengths K to compile, e.g. 0,4.")
-]
 
 
 @app.callback()
@@ -38,11 +48,11 @@ def _root(
 def compile(
     model: Annotated[str, typer.Argument(help="Local Hugging Face model folder or .gguf file (or a hub id online).")],
     num_speculative_tokens: KsOption = "0,4",
-    prefill_seq_len: Annotated[int, typer.Option(help="Tokens per prefill call.")] = 32,
-    ctx_len: Annotated[int, typer.Option(help="KV cache length (prompt + output).")] = 1024,
-    batch_size: Annotated[int, typer.Option(help="Rows per prefill call.")] = 1,
-    full_batch_size: Annotated[Optional[int], typer.Option(help="KV slots for continuous batching.")] = None,
-    spec_format: Annotated[str, typer.Option(help="specializations.json format: flat or named.")] = "flat",
+    prefill_seq_len: PrefillSeqLenOption = DEFAULT_PREFILL_SEQ_LEN,
+    ctx_len: CtxLenOption = DEFAULT_CTX_LEN,
+    batch_size: BatchSizeOption = 1,
+    full_batch_size: FullBatchSizeOption = None,
+    spec_format: SpecFormatOption = "flat",
     backend: Annotated[str, typer.Option(help="ort (ONNX Runtime, CPU) or qaic (Qualcomm qaic-compile).")] = "ort",
     num_layers: Annotated[Optional[int], typer.Option(help="Keep only the first N layers (a draft model).")] = None,
     aic_hw_version: Annotated[str, typer.Option(help="qaic: -aic-hw-version.")] = "ai100",
@@ -97,8 +107,8 @@ def compile(
         print(f"{verb} {folder} ({manifest.backend}, {len(manifest.specializations)} specializations, {manifest.compile_seconds} s)")
         for spec in manifest.specializations:
             print(f"  {spec.describe()}")
-        if manifest.qaic and not manifest.qaic.get("ran"):
-            print(f"qaic-compile not found: the command is in {folder / manifest.qaic['script']}")
+        if manifest.qaic and not manifest.qaic.ran:
+            print(f"qaic-compile not found: the command is in {folder / manifest.qaic.script}")
 
     run_guarded(work)
 
@@ -106,23 +116,19 @@ def compile(
 @app.command()
 def specializations(
     num_speculative_tokens: KsOption = "0,4",
-    prefill_seq_len: Annotated[int, typer.Option(help="Tokens per prefill call.")] = 32,
-    ctx_len: Annotated[int, typer.Option(help="KV cache length.")] = 128,
-    batch_size: Annotated[int, typer.Option(help="Rows per prefill call.")] = 1,
-    full_batch_size: Annotated[Optional[int], typer.Option(help="KV slots for continuous batching.")] = None,
-    spec_format: Annotated[str, typer.Option(help="flat or named.")] = "flat",
+    prefill_seq_len: PrefillSeqLenOption = DEFAULT_PREFILL_SEQ_LEN,
+    ctx_len: CtxLenOption = DEFAULT_CTX_LEN,
+    batch_size: BatchSizeOption = 1,
+    full_batch_size: FullBatchSizeOption = None,
+    spec_format: SpecFormatOption = "flat",
     non_speculative: Annotated[bool, typer.Option(help="A graph without num_logits_to_keep (K=0 only).")] = False,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="File to write (default: stdout).")] = None,
 ) -> None:
     """Write specializations.json for the given shapes (no model needed)."""
 
     def work() -> None:
-        from qspec.specializations import build_specializations, make_config, specializations_to_json, write_specializations
+        from qspec.specializations import SpecializationsFile, make_config
 
-        if spec_format not in ("flat", "named"):
-            from qspec.errors import ConfigError
-
-            raise ConfigError(f"--spec-format {spec_format!r}: use flat or named")
         config = make_config(
             num_speculative_tokens=num_speculative_tokens,
             prefill_seq_len=prefill_seq_len,
@@ -131,12 +137,12 @@ def specializations(
             full_batch_size=full_batch_size,
             speculative=not non_speculative,
         )
-        specs = build_specializations(config)
+        request = SpecializationsFile.create(config=config, spec_format=spec_format)
         if output is None:
-            sys.stdout.write(specializations_to_json(specs, fmt=spec_format))
+            sys.stdout.write(request.to_json())
         else:
-            write_specializations(specs, output, fmt=spec_format)
-            print(f"wrote {output} ({len(specs)} specializations)")
+            count = len(request.write(output))
+            print(f"wrote {output} ({count} specializations)")
 
     run_guarded(work)
 
@@ -152,9 +158,9 @@ def generate(
     method: Annotated[str, typer.Option(help="none, pld, suffix or draft.")] = "pld",
     prompt_lookup_min: Annotated[int, typer.Option(help="pld: smallest n-gram to match.")] = 1,
     prompt_lookup_max: Annotated[int, typer.Option(help="pld: largest n-gram to match.")] = 3,
-    draft_package: Annotated[Optional[Path], typer.Option(help="draft: the draft model's package.")] = None,
+    draft_package: DraftPackageOption = None,
     max_batch_size: Annotated[Optional[int], typer.Option(help="Sequences in flight (default: all KV slots).")] = None,
-    dispatch: Annotated[str, typer.Option(help="cover: smallest K covering the drafts; cost: most tokens per ms.")] = "cover",
+    dispatch: DispatchOption = "cover",
     chat: Annotated[bool, typer.Option(help="Apply the tokenizer's chat template.")] = False,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
     top_k: Annotated[int, typer.Option(help="0 = off.")] = 0,
@@ -168,11 +174,11 @@ def generate(
     def work() -> None:
         from qspec.errors import ConfigError
         from qspec.runtime import Engine, SamplingParams
-        from qspec_cli.common import read_prompts
+        from qspec.prompts import read_prompt_texts
 
         if (prompt is None) == (prompts_file is None):
             raise ConfigError("give exactly one of --prompt TEXT or --prompts-file FILE.jsonl")
-        prompts = [prompt] if prompt is not None else read_prompts(prompts_file)
+        prompts = [prompt] if prompt is not None else read_prompt_texts(prompts_file)
         params = SamplingParams.create(
             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop or []
         )

@@ -19,6 +19,7 @@ from pydantic import Field
 
 from qspec import __version__
 from qspec.backends.qaic import QaicOptions, prepare_qaic
+from qspec.common import FrozenModel
 from qspec.errors import QSpecError
 from qspec.package import (
     MANIFEST,
@@ -35,7 +36,6 @@ from qspec.package import (
     write_package_atomic,
 )
 from qspec.specializations import (
-    FrozenModel,
     SpecFormat,
     SpecializationConfig,
     build_specializations,

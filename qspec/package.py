@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from qspec.backends.qaic import QaicResult
 from qspec.errors import PackageError
 from qspec.specializations import SpecFormat, Specialization, SpecializationConfig, read_specializations
 
@@ -87,7 +88,7 @@ class Manifest(BaseModel):
     spec_format: SpecFormat
     backend: Backend
     ort_checks: list[SessionCheck] = Field(default_factory=list)
-    qaic: dict[str, Any] | None = None
+    qaic: QaicResult | None = None  # backend "qaic" only
     versions: dict[str, str]
     compile_seconds: float
     warnings: list[str] = Field(default_factory=list)

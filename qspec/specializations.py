@@ -27,14 +27,14 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from qspec import contract
+from qspec.common import FrozenModel, validation_message, write_text_atomic
 from qspec.errors import ConfigError
 
 SpecFormat = Literal["flat", "named"]
@@ -54,27 +54,10 @@ SPECULATIVE_CONFIG_KEY = "speculative_config"
 NUM_SPECULATIVE_TOKENS = "num_speculative_tokens"
 _K_EXAMPLE = "give a comma-separated list such as 0,4"
 
-M = TypeVar("M", bound="FrozenModel")
-
 
 # --------------------------------------------------------------------------------------------
 # Helpers
 # --------------------------------------------------------------------------------------------
-
-
-def validation_message(exc: ValidationError) -> str:
-    """One line for the first error of a pydantic ``ValidationError``, naming the field and value.
-
-    Messages raised by our own validators are already complete and are returned as written.
-    """
-    err = exc.errors(include_url=False)[0]
-    msg = err["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
-    if err["type"] in ("value_error", "assertion_error") or not err["loc"]:
-        return msg
-    field = ".".join(str(part) for part in err["loc"])
-    if err["type"] == "extra_forbidden":
-        return f"unknown option {field}={err['input']!r}"
-    return f"{field}={err['input']!r}: {msg}"
 
 
 def _parse_k_token(token: str, raw: str) -> int:
@@ -109,20 +92,6 @@ def _check_k(k: object, raw: object) -> int:
 # --------------------------------------------------------------------------------------------
 # Typed values
 # --------------------------------------------------------------------------------------------
-
-
-class FrozenModel(BaseModel):
-    """Base of qspec's typed values: frozen, unknown keys refused, :meth:`create` for users."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    @classmethod
-    def create(cls: type[M], **kwargs: Any) -> M:
-        """Validate ``kwargs``; any problem becomes a one-line ConfigError."""
-        try:
-            return cls(**kwargs)
-        except ValidationError as exc:
-            raise ConfigError(validation_message(exc)) from None
 
 
 class Specialization(FrozenModel):
@@ -333,18 +302,6 @@ def specializations_to_json(specs: Sequence[Specialization], *, fmt: SpecFormat 
     return json.dumps({"specializations": entries}, indent=2) + "\n"
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file in the same directory and ``os.replace``."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_specializations(
     specs: Sequence[Specialization], path: str | os.PathLike[str], *, fmt: SpecFormat = "flat"
 ) -> Path:
@@ -352,6 +309,25 @@ def write_specializations(
     path = Path(path)
     write_text_atomic(path, specializations_to_json(specs, fmt=fmt))
     return path
+
+
+class SpecializationsFile(FrozenModel):
+    """A specializations file to write: the shapes of ``config`` in ``spec_format`` (``flat`` or ``named``)."""
+
+    config: SpecializationConfig
+    spec_format: SpecFormat = "flat"
+
+    def specializations(self) -> list[Specialization]:
+        return build_specializations(self.config)
+
+    def to_json(self) -> str:
+        return specializations_to_json(self.specializations(), fmt=self.spec_format)
+
+    def write(self, path: str | os.PathLike[str]) -> list[Specialization]:
+        """Write the file atomically; returns the specializations written."""
+        specs = self.specializations()
+        write_specializations(specs, path, fmt=self.spec_format)
+        return specs
 
 
 def _refuse_bool(key: str, value: object) -> object:

@@ -177,3 +177,14 @@ def test_cli_bad_flag_is_a_clean_error(tmp_path):
     assert result.exit_code == 1
     assert "Error:" in result.output and "batch_sizes" in result.output
     assert "Traceback" not in result.output
+
+
+def test_options_from_flags(tmp_path):
+    """None keeps the preset, per_category 0 means all, a draft package adds draft to the methods."""
+    from qspec.bench import bench_options
+
+    assert bench_options(per_category=None, turns=None) == quick_options()
+    assert bench_options(per_category=0).per_category is None
+    assert bench_options(full=True).batch_sizes == (1, 2, 4, 8)
+    assert "draft" in bench_options(draft_package=tmp_path).methods
+    assert bench_options(draft_package=tmp_path, methods="pld,draft").methods == ("pld", "draft")

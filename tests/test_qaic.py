@@ -274,11 +274,11 @@ def test_find_compiler_sdk_default(no_compiler, monkeypatch, fake_compiler):
 def test_prepare_without_compiler_writes_script(package, no_compiler):
     """No compiler: custom_io.yaml and an executable compile_qaic.sh are written, nothing runs."""
     info = prepare(package, onnx_path=package / "model.onnx")  # absolute works too
-    assert info["ran"] is False and info["compiler"] is None
-    assert info["qpc_dir"] == "qpc" and info["custom_io"] == "custom_io.yaml"
-    assert info["mdp_partition_config"] is None and not (package / "mdp.json").exists()
-    assert info["argv"][0] == "/opt/qti-aic/exec/qaic-compile"  # the SDK default
-    assert "-m=model.onnx" in info["argv"]  # relative to the package
+    assert info.ran is False and info.compiler is None
+    assert info.qpc_dir == "qpc" and info.custom_io == "custom_io.yaml"
+    assert info.mdp_partition_config is None and not (package / "mdp.json").exists()
+    assert info.argv[0] == "/opt/qti-aic/exec/qaic-compile"  # the SDK default
+    assert "-m=model.onnx" in info.argv  # relative to the package
     assert (package / "custom_io.yaml").read_text() == custom_io_yaml(NUM_LAYERS)
     script = package / "compile_qaic.sh"
     assert os.access(script, os.X_OK)
@@ -287,7 +287,7 @@ def test_prepare_without_compiler_writes_script(package, no_compiler):
     assert 'cd "$(dirname "$0")"\n' in text
     assert '"${QAIC_COMPILE:-/opt/qti-aic/exec/qaic-compile}"' in text
     assert not (package / "qpc").exists()
-    json.dumps(info)  # the manifest entry is JSON-serialisable
+    json.loads(info.model_dump_json())  # the manifest entry is JSON-serialisable
 
 
 def test_prepare_run_true_without_compiler_fails(package, no_compiler):
@@ -305,17 +305,17 @@ def test_prepare_missing_onnx(package, no_compiler):
 def test_prepare_runs_compiler_on_path(package, fake_compiler):
     """With qaic-compile on PATH, prepare_qaic runs it in the package and the QPC appears."""
     info = prepare(package)
-    assert info["ran"] is True and info["compiler"] == fake_compiler
+    assert info.ran is True and info.compiler == fake_compiler
     assert (package / "qpc" / "programqpc.bin").is_file()
     record = json.loads((package / "qpc" / "fake_qaic_argv.json").read_text())
-    assert record["argv"] == info["argv"][1:]
+    assert record["argv"] == info.argv[1:]
     assert Path(record["cwd"]) == package.resolve()
 
 
 def test_prepare_run_false_does_not_run(package, fake_compiler):
     """run=False writes the files only, even when a compiler exists."""
     info = prepare(package, run=False)
-    assert info["ran"] is False
+    assert info.ran is False
     assert not (package / "qpc").exists()
 
 
@@ -324,15 +324,15 @@ def test_prepare_named_specializations_compile(package, fake_compiler):
     specs = build_specializations(make_config(num_speculative_tokens="0,4"))
     write_specializations(specs, package / "named.json", fmt="named")
     info = prepare(package, specializations_path="named.json")
-    assert info["ran"] is True
+    assert info.ran is True
 
 
 def test_prepare_multi_device_writes_mdp(package, fake_compiler):
     """num_devices 2: mdp.json is written and passed to the compiler."""
     info = prepare(package, options=QaicOptions(num_devices=2, num_cores=8))
-    assert info["mdp_partition_config"] == "mdp.json"
+    assert info.mdp_partition_config == "mdp.json"
     assert json.loads((package / "mdp.json").read_text()) == mdp_partition_config(2, 8)
-    assert info["argv"][-1] == "-mdp-load-partition-config=mdp.json"
+    assert info.argv[-1] == "-mdp-load-partition-config=mdp.json"
 
 
 def test_script_runs_the_same_command(package, fake_compiler, monkeypatch):

@@ -28,7 +28,7 @@ from pydantic import Field, model_validator
 
 from qspec import contract
 from qspec.errors import CompileError, ConfigError
-from qspec.specializations import FrozenModel, write_text_atomic
+from qspec.common import FrozenModel, write_text_atomic
 
 COMPILER_ENV = "QAIC_COMPILE"
 COMPILER_NAME = "qaic-compile"
@@ -78,6 +78,21 @@ class QaicOptions(FrozenModel):
                 "use kv_dtype float32 or enable convert_to_fp16"
             )
         return self
+
+
+class QaicResult(FrozenModel):
+    """What :func:`prepare_qaic` did, as the manifest records it (paths relative to the package)."""
+
+    compiler: str | None  # the compiler that ran; None when none was found (or run=False)
+    ran: bool
+    argv: list[str]  # the command line, also in ``script``
+    script: str
+    qpc_dir: str
+    custom_io: str
+    mdp_partition_config: str | None
+    onnx: str
+    specializations: str
+    options: QaicOptions
 
 
 # --------------------------------------------------------------------------------------------
@@ -261,7 +276,7 @@ def prepare_qaic(
     num_layers: int,
     options: QaicOptions,
     run: bool | None = None,
-) -> dict[str, Any]:
+) -> QaicResult:
     """Write the vendor files and ``compile_qaic.sh`` into ``package_dir``; compile if possible.
 
     ``run=None`` compiles when a compiler is found, ``run=True`` requires one, ``run=False``
@@ -291,15 +306,15 @@ def prepare_qaic(
     _write_executable(package_dir / SCRIPT_FILE, compile_script(argv))
     if compiler is not None:
         run_compiler(argv, cwd=package_dir)
-    return {
-        "compiler": compiler,
-        "ran": compiler is not None,
-        "argv": argv,
-        "script": SCRIPT_FILE,
-        "qpc_dir": QPC_DIR,
-        "custom_io": CUSTOM_IO_FILE,
-        "mdp_partition_config": mdp_rel,
-        "onnx": onnx_rel,
-        "specializations": specs_rel,
-        "options": options.model_dump(),
-    }
+    return QaicResult(
+        compiler=compiler,
+        ran=compiler is not None,
+        argv=argv,
+        script=SCRIPT_FILE,
+        qpc_dir=QPC_DIR,
+        custom_io=CUSTOM_IO_FILE,
+        mdp_partition_config=mdp_rel,
+        onnx=onnx_rel,
+        specializations=specs_rel,
+        options=options,
+    )

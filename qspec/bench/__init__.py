@@ -29,19 +29,19 @@ progress goes to the ``progress(message, done, total)`` callback.
 
 from qspec.bench.analysis import category_rates, compare_outputs, contention_notes, equality_checks, ratio, with_ratios
 from qspec.bench.machine import CpuMeter, copy_bandwidth
-from qspec.bench.options import SPECULATIVE_METHODS, BenchOptions, full_options, quick_options
+from qspec.bench.options import SPECULATIVE_METHODS, BenchOptions, bench_options, full_options, quick_options
 from qspec.bench.plan import HF_GREEDY, HF_LOOKUP, RunConfig, plan_configs, rotated, rounds
-from qspec.bench.prompts import BenchPrompt, default_prompts_path, load_prompts
 from qspec.bench.render import render_markdown, write_report
 from qspec.bench.report import BenchReport, ConfigSummary
 from qspec.bench.run import run_bench
 from qspec.bench.runners import RequestResult, RoundResult, Runner
 from qspec.bench.workers import BenchError
+from qspec.prompts import PromptRecord, default_prompts_path, load_prompts
 
 __all__ = [
-    "SPECULATIVE_METHODS", "HF_GREEDY", "HF_LOOKUP", "BenchError", "BenchOptions", "BenchPrompt", "BenchReport",
-    "ConfigSummary", "CpuMeter", "RequestResult", "RoundResult", "RunConfig", "Runner", "category_rates",
+    "SPECULATIVE_METHODS", "HF_GREEDY", "HF_LOOKUP", "BenchError", "BenchOptions", "BenchReport",
+    "ConfigSummary", "CpuMeter", "PromptRecord", "RequestResult", "RoundResult", "RunConfig", "Runner", "category_rates",
     "compare_outputs", "contention_notes", "copy_bandwidth", "default_prompts_path", "equality_checks",
-    "full_options", "load_prompts", "plan_configs", "quick_options", "ratio", "render_markdown", "rotated",
+    "bench_options", "full_options", "load_prompts", "plan_configs", "quick_options", "ratio", "render_markdown", "rotated",
     "rounds", "run_bench", "with_ratios", "write_report",
 ]

@@ -8,7 +8,8 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from qspec.errors import ConfigError
-from qspec.specializations import FrozenModel, parse_num_speculative_tokens
+from qspec.common import FrozenModel
+from qspec.specializations import parse_num_speculative_tokens
 
 SPECULATIVE_METHODS = ("pld", "suffix", "draft")
 
@@ -102,3 +103,17 @@ def full_options(**overrides: Any) -> BenchOptions:
     """Every prompt, batch sizes 1, 2, 4, 8, 50 calls per specialization in the micro-benchmark."""
     preset = {"per_category": None, "batch_sizes": (1, 2, 4, 8), "micro_iterations": 50}
     return BenchOptions.create(**(preset | overrides))
+
+
+def bench_options(*, full: bool = False, **given: Any) -> BenchOptions:
+    """Options from what a user gave (``qspec bench`` flags) on top of a preset.
+
+    ``None`` means "not given": the preset's value. ``per_category=0`` means every prompt. A
+    ``draft_package`` without ``methods`` adds ``draft`` to the default methods.
+    """
+    overrides = {key: value for key, value in given.items() if value is not None}
+    if overrides.get("per_category") == 0:
+        overrides["per_category"] = None
+    if "draft_package" in overrides and "methods" not in overrides:
+        overrides["methods"] = SPECULATIVE_METHODS
+    return (full_options if full else quick_options)(**overrides)

@@ -21,11 +21,11 @@ from qspec.bench.micro import micro_benchmark
 from qspec.bench.options import BenchOptions, quick_options
 from qspec.bench.packages import Packages, ResolvedModel, compile_packages, resolve_model
 from qspec.bench.plan import TRANSFORMERS, Progress, RunConfig, Steps, plan_configs, rotated, rounds
-from qspec.bench.prompts import BenchPrompt, default_prompts_path, load_prompts
 from qspec.bench.report import BenchReport, MachineInfo, MemoryReport, Meta, MicroReport, RunnerInfo
 from qspec.bench.runners import QspecRunner, Runner, TransformersRunner
 from qspec.bench.targets import evaluate_targets
 from qspec.errors import ConfigError
+from qspec.prompts import PromptRecord, default_prompts_path, load_prompts
 
 Request = tuple[str, str, list[int]]  # (request id, category, prompt token ids)
 
@@ -37,7 +37,7 @@ class BenchPlan:
     model: str
     resolved: ResolvedModel
     configs: list[RunConfig]
-    prompts: list[BenchPrompt]
+    prompts: list[PromptRecord]
 
     @property
     def options(self) -> BenchOptions:

@@ -28,13 +28,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from qspec import __version__, contract
 from qspec.errors import ConfigError, QSpecError
-from qspec.package import ModelInfo
+from qspec.package import ONNX_FILE, TOKENIZER_DIR, ModelInfo
 from qspec.export.loader import ModelSource, load_model, resolve_source, source_digest
 from qspec.export.wrapper import adapter_for
 
 EXPORT_META = "export.json"
-ONNX_FILE = "model.onnx"
-TOKENIZER_DIR = "tokenizer"
 OPSET = 18
 
 Progress = Callable[[str], None]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from qspec.specializations import FrozenModel
+from qspec.common import FrozenModel
 from pydantic import BaseModel, ConfigDict, Field
 
 # --------------------------------------------------------------------------------------------

@@ -1,4 +1,9 @@
-"""The prompt set of a bench run: MT-bench's ``question.jsonl`` (shipped) or any JSONL of prompts."""
+"""Prompt files: MT-bench's ``question.jsonl`` (shipped with qspec) or any JSONL of prompts.
+
+One line per prompt: an MT-bench object (``{"question_id", "category", "turns": [...]}``), an
+object with a ``"prompt"`` or ``"text"`` string, or a bare JSON string. ``qspec bench`` reads
+every turn (:func:`load_prompts`), ``qspec generate`` the first one (:func:`read_prompt_texts`).
+"""
 
 from __future__ import annotations
 
@@ -12,13 +17,13 @@ from typing import Any
 from qspec.errors import ConfigError
 
 MT_BENCH_FILE = Path("shared") / "data" / "mt_bench" / "question.jsonl"
-SHIPPED_MT_BENCH = Path(__file__).resolve().parents[1] / "data" / "mt_bench" / "question.jsonl"
+SHIPPED_MT_BENCH = Path(__file__).resolve().parent / "data" / "mt_bench" / "question.jsonl"
 DEFAULT_CATEGORY = "all"
 
 
 @dataclass(frozen=True)
-class BenchPrompt:
-    """One prompt of the set: its turns (MT-bench has two) and its category."""
+class PromptRecord:
+    """One prompt of a file: its turns (MT-bench has two) and its category."""
 
     id: str
     category: str
@@ -29,7 +34,7 @@ def default_prompts_path() -> Path:
     """MT-bench's ``question.jsonl``: ``$QSPEC_MT_BENCH``, ``../shared/data`` of the project, or the shipped copy."""
     env = os.environ.get("QSPEC_MT_BENCH")
     candidates = [Path(env)] if env else []
-    candidates += [Path.cwd().parent / MT_BENCH_FILE, Path(__file__).resolve().parents[3] / MT_BENCH_FILE]
+    candidates += [Path.cwd().parent / MT_BENCH_FILE, Path(__file__).resolve().parents[2] / MT_BENCH_FILE]
     candidates.append(SHIPPED_MT_BENCH)
     for path in candidates:
         if path.is_file():
@@ -40,9 +45,9 @@ def default_prompts_path() -> Path:
     )
 
 
-def _prompt_from_line(item: Any, number: int, path: Path) -> BenchPrompt:
+def _prompt_from_line(item: Any, number: int, path: Path) -> PromptRecord:
     if isinstance(item, str):
-        return BenchPrompt(str(number), DEFAULT_CATEGORY, (item,))
+        return PromptRecord(str(number), DEFAULT_CATEGORY, (item,))
     if not isinstance(item, dict):
         raise ConfigError(f'{path}:{number}: expected a JSON object with "turns" or "prompt"')
     turns = item.get("turns")
@@ -51,15 +56,15 @@ def _prompt_from_line(item: Any, number: int, path: Path) -> BenchPrompt:
     if not turns or not all(isinstance(t, str) and t for t in turns):
         raise ConfigError(f'{path}:{number}: no "turns" list of strings, "prompt" or "text" string')
     ident = str(item.get("question_id", item.get("id", number)))
-    return BenchPrompt(ident, str(item.get("category") or DEFAULT_CATEGORY), tuple(turns))
+    return PromptRecord(ident, str(item.get("category") or DEFAULT_CATEGORY), tuple(turns))
 
 
-def load_prompts(path: str | os.PathLike[str], *, per_category: int | None = None) -> list[BenchPrompt]:
+def load_prompts(path: str | os.PathLike[str], *, per_category: int | None = None) -> list[PromptRecord]:
     """Prompts of a JSONL file (MT-bench lines, or ``{"prompt": ...}``); the first ``per_category`` of each."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"prompts file {path} does not exist")
-    prompts: list[BenchPrompt] = []
+    prompts: list[PromptRecord] = []
     taken: Counter = Counter()
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
@@ -74,3 +79,8 @@ def load_prompts(path: str | os.PathLike[str], *, per_category: int | None = Non
     if not prompts:
         raise ConfigError(f"prompts file {path} has no prompts")
     return prompts
+
+
+def read_prompt_texts(path: str | os.PathLike[str]) -> list[str]:
+    """The first turn of every prompt of a JSONL file, in order."""
+    return [prompt.turns[0] for prompt in load_prompts(path)]

@@ -1,0 +1,55 @@
+"""Plumbing every part of qspec shares: the frozen typed-value base, one-line validation messages, atomic writes."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from qspec.errors import ConfigError
+
+M = TypeVar("M", bound="FrozenModel")
+
+
+def validation_message(exc: ValidationError) -> str:
+    """One line for the first error of a pydantic ``ValidationError``, naming the field and value.
+
+    Messages raised by our own validators are already complete and are returned as written.
+    """
+    err = exc.errors(include_url=False)[0]
+    msg = err["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
+    if err["type"] in ("value_error", "assertion_error") or not err["loc"]:
+        return msg
+    field = ".".join(str(part) for part in err["loc"])
+    if err["type"] == "extra_forbidden":
+        return f"unknown option {field}={err['input']!r}"
+    return f"{field}={err['input']!r}: {msg}"
+
+
+class FrozenModel(BaseModel):
+    """Base of qspec's typed values: frozen, unknown keys refused, :meth:`create` for users."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    @classmethod
+    def create(cls: type[M], **kwargs: Any) -> M:
+        """Validate ``kwargs``; any problem becomes a one-line ConfigError."""
+        try:
+            return cls(**kwargs)
+        except ValidationError as exc:
+            raise ConfigError(validation_message(exc)) from None
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` via a temporary file in the same directory and ``os.replace``."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
