@@ -182,13 +182,8 @@ def generate(
         params = SamplingParams.create(
             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop or []
         )
-        knobs = {}
-        if method == "pld":
-            knobs = {"prompt_lookup_min": prompt_lookup_min, "prompt_lookup_max": prompt_lookup_max}
-        elif method == "draft":
-            if draft_package is None:
-                raise ConfigError("--method draft needs --draft-package DIR (compile one with `qspec compile --num-layers N`)")
-            knobs = {"draft_package": draft_package}
+        # Each method takes the knobs it knows (qspec.runtime.proposers.make_proposer).
+        knobs = dict(prompt_lookup_min=prompt_lookup_min, prompt_lookup_max=prompt_lookup_max, draft_package=draft_package)
         with status("loading the package"):
             engine = Engine(package, method=method, max_batch_size=max_batch_size, dispatch=dispatch, **knobs)
         stream = not as_json and len(prompts) == 1

@@ -167,12 +167,12 @@ def test_propose_single_matches_batch(packages):
     for i, prompt in enumerate(PROMPTS[:2]):
         proposer.start(i, prompt)
     batch = proposer.propose_batch([(0, 3), (1, 2)])
-    assert [len(d) for d in batch] == [3, 2]
+    assert [len(p) for p in batch] == [3, 2]
+    assert all(p.probs is None for p in batch)  # greedy: point masses
     proposer.extend(0, [])  # nothing emitted: the cache rolls back to the history
     proposer.extend(1, [])
-    assert proposer.propose(0, 3).tolist() == batch[0].tolist()
+    assert proposer.propose(0, 3).tolist() == batch[0].tokens.tolist()
     assert proposer.propose(1, 0).size == 0
-    assert proposer.draft_probs(0) is None  # greedy
 
 
 # --------------------------------------------------------------------------------------------
@@ -207,13 +207,12 @@ def test_sampled_same_model_draft_is_accepted(packages):
     assert engine.last_metrics.acceptance_rate > 0.95, engine.last_metrics
 
 
-def test_draft_probs_are_the_sampling_distributions(packages):
-    """draft_probs() returns one normalized q per draft, with the drafted token in its support."""
+def test_proposal_carries_the_sampling_distributions(packages):
+    """A sampling draft's proposal has one normalized q per draft, with the drafted token in its support."""
     proposer = DraftProposer(packages["draft"])
-    proposer.start("r", PROMPTS[0])
-    proposer.configure("r", SamplingParams(temperature=0.7, top_k=5, seed=0), None)
-    drafts = proposer.propose("r", 3)
-    q = proposer.draft_probs("r")
+    proposer.start("r", PROMPTS[0], SamplingParams(temperature=0.7, top_k=5, seed=0))
+    [proposal] = proposer.propose_batch([("r", 3)])
+    drafts, q = proposal.tokens, proposal.probs
     assert q.shape == (3, proposer.model.vocab_size)
     np.testing.assert_allclose(q.sum(axis=1), 1.0)
     assert ((q > 0).sum(axis=1) <= 5).all()  # top-k

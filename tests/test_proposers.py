@@ -122,7 +122,7 @@ def test_prompt_lookup_matches_pure_function_randomized():
 
 
 def test_all_proposers_follow_protocol():
-    """Every proposer satisfies the Proposer protocol."""
+    """Every proposer is a Proposer (the contract the engine relies on)."""
     for proposer in (NoProposer(), PromptLookupProposer(), UserProposer(), SuffixProposer()):
         assert isinstance(proposer, Proposer)
 
@@ -206,8 +206,25 @@ def test_make_proposer_methods():
 
 def test_make_proposer_unknown_method_lists_valid():
     """An unknown method raises ConfigError listing the valid ones."""
-    with pytest.raises(ConfigError, match="'eagle'.*none, pld, user, suffix"):
+    with pytest.raises(ConfigError, match="'eagle'.*none, pld, user, suffix, draft"):
         make_proposer("eagle")
+
+
+def test_draft_comes_from_the_registry_and_needs_its_package():
+    """`draft` is a registry method like the others: without draft_package it names the knob and the fix."""
+    with pytest.raises(ConfigError, match="method draft needs draft_package .*--num-layers"):
+        make_proposer("draft", prompt_lookup_min=2)
+
+
+def test_default_propose_batch_gives_point_mass_proposals():
+    """propose_batch asks propose() per request, skips cap 0, and carries no q (drafts are point masses)."""
+    proposer = PromptLookupProposer()
+    proposer.start("a", [1, 2, 3, 1, 2])
+    proposer.start("b", [1, 2, 3, 1, 2])
+    a, b = proposer.propose_batch([("a", 2), ("b", 0)])
+    assert a.tokens.tolist() == [3, 1] and a.probs is None  # [1, 2] occurred before, followed by 3, 1
+    assert len(b) == 0
+    assert a.cut(1).tokens.tolist() == [3]
 
 
 def test_make_proposer_bad_knobs():

@@ -24,10 +24,10 @@ Pending tokens are fed before drafting: a short backlog through the batched ``se
 (a row just starts drafting a call or two later), a long one (the prompt) through the prefill
 shape in chunks. The logits after the last pending token give the first draft.
 
-Sampling (:meth:`DraftProposer.configure` with ``temperature > 0``): each draft is drawn from the
-draft's own processed distribution ``q`` (:func:`process_logits` with the request's parameters),
-and :meth:`DraftProposer.draft_probs` hands ``q`` to the engine's ``min(1, p / q)`` rule. Greedy
-drafts are the argmax and ``draft_probs`` is None.
+Sampling (a request started with ``temperature > 0``): each draft is drawn from the draft's own
+processed distribution ``q`` (:func:`process_logits` with the request's parameters), and the
+:class:`Proposal` carries ``q`` to the engine's ``min(1, p / q)`` rule. Greedy drafts are the
+argmax and the proposal has no ``probs``.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ import numpy as np
 
 from qspec.errors import ConfigError
 from qspec.runtime.model import Binding, CompiledModel, SessionMode
-from qspec.runtime.proposers import RequestId, Tokens, as_tokens
+from qspec.runtime.prefill import PrefillRow, run_prefill
+from qspec.runtime.proposal import Proposal, Proposer, RequestId, Tokens, as_tokens
 from qspec.runtime.sampling import SamplingParams, make_rng, process_logits, sample_token
 
 GREEDY = SamplingParams()
@@ -50,9 +51,6 @@ GREEDY = SamplingParams()
 # one prefill-32 call costs 2.4-3.2 seq_len = 1 calls, and a short backlog shares its calls with
 # the other rows of the batch.
 DEFAULT_PREFILL_MIN_TOKENS = 3
-
-_EMPTY = np.zeros(0, dtype=np.int64)
-
 
 # --------------------------------------------------------------------------------------------
 # Helpers
@@ -89,7 +87,6 @@ class _Request:
     cached: list[int] = field(default_factory=list)  # tokens whose KV is at positions 0.. of the draft cache
     params: SamplingParams = GREEDY
     rng: np.random.Generator | None = None
-    probs: list[np.ndarray] = field(default_factory=list)  # q of each draft of the last proposal
 
     @property
     def pending(self) -> list[int]:
@@ -104,7 +101,14 @@ class _Row:
     cap: int
     feed: deque[int] = field(default_factory=deque)  # tokens to write into the draft cache, in order
     drafts: list[int] = field(default_factory=list)
+    probs: list[np.ndarray] = field(default_factory=list)  # q of each draft, when sampling
     done: bool = False
+
+    def proposal(self) -> Proposal:
+        if not self.drafts:
+            return Proposal.empty()
+        probs = np.stack(self.probs) if self.probs else None
+        return Proposal(np.asarray(self.drafts, dtype=np.int64), probs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -112,7 +116,7 @@ class _Row:
 # --------------------------------------------------------------------------------------------
 
 
-class DraftProposer:
+class DraftProposer(Proposer):
     """Drafts with a compiled draft package; the engine's ``draft`` method.
 
     >>> engine = Engine("packages/target-k0_4", method="draft", draft_package="packages/draft-l8-k0")
@@ -194,18 +198,26 @@ class DraftProposer:
 
     # ------------------------------------------------------------------ request lifecycle
 
-    def start(self, request_id: RequestId, prompt_tokens: Tokens) -> None:
-        """Take a free draft KV slot for ``request_id``; its prompt is fed at the first proposal."""
+    def start(
+        self,
+        request_id: RequestId,
+        prompt_tokens: Tokens,
+        params: SamplingParams | None = None,
+        rng: np.random.Generator | None = None,
+    ) -> None:
+        """Take a free draft KV slot for ``request_id``; its prompt is fed at the first proposal.
+
+        Drafts are sampled with ``params`` and ``rng`` (greedy drafts when ``params`` is greedy or None).
+        """
         if request_id in self._requests:
             self.finish(request_id)
         if not self._free:
             raise ConfigError(self._too_few_slots(len(self._requests) + 1, at_least=True))
-        self._requests[request_id] = _Request(self._free.pop(0), as_tokens(prompt_tokens).tolist())
-
-    def configure(self, request_id: RequestId, params: SamplingParams, rng: np.random.Generator | None) -> None:
-        """Sample drafts with ``params`` and ``rng`` (greedy drafts when ``params.greedy``)."""
-        request = self._request(request_id)
-        request.params, request.rng = params, rng if rng is not None else make_rng(params.seed)
+        params = params or GREEDY
+        if rng is None and not params.greedy:
+            rng = make_rng(params.seed)
+        tokens = as_tokens(prompt_tokens).tolist()
+        self._requests[request_id] = _Request(self._free.pop(0), tokens, params=params, rng=rng)
 
     def extend(self, request_id: RequestId, new_tokens: Tokens) -> None:
         """Append the tokens a step emitted; the cache keeps what it holds of the new history."""
@@ -213,7 +225,6 @@ class DraftProposer:
         known = len(request.tokens)  # the cache never holds a wrong token before the new ones
         request.tokens.extend(as_tokens(new_tokens).tolist())
         del request.cached[cached_prefix(request.cached, request.tokens, known) :]
-        request.probs = []
 
     def finish(self, request_id: RequestId) -> None:
         """Free the request's draft slot (calling it twice is harmless)."""
@@ -221,13 +232,6 @@ class DraftProposer:
         if request is not None:
             self._free.append(request.slot)
             self._free.sort()
-
-    def draft_probs(self, request_id: RequestId) -> np.ndarray | None:
-        """``q`` [n, vocab] of the last proposal's n drafts when sampling; None when greedy."""
-        request = self._request(request_id)
-        if request.params.greedy or not request.probs:
-            return None
-        return np.stack(request.probs)
 
     def _request(self, request_id: RequestId) -> _Request:
         try:
@@ -239,15 +243,15 @@ class DraftProposer:
 
     def propose(self, request_id: RequestId, k: int) -> np.ndarray:
         """At most ``k`` drafts for one request."""
-        return self.propose_batch([(request_id, k)])[0]
+        return self.propose_batch([(request_id, k)])[0].tokens
 
-    def propose_batch(self, items: Sequence[tuple[RequestId, int]]) -> list[np.ndarray]:
+    def propose_batch(self, items: Sequence[tuple[RequestId, int]]) -> list[Proposal]:
         """At most ``cap`` drafts for each ``(request_id, cap)``, drafting the whole batch together."""
         rows = [self._plan(self._request(rid), cap) for rid, cap in items]
         live = [row for row in rows if row.cap > 0]
         self.prefill([row for row in live if len(row.feed) >= self.prefill_min_tokens])
         self.draft([row for row in live if not row.done])
-        return [np.asarray(row.drafts, dtype=np.int64) if row.drafts else _EMPTY.copy() for row in rows]
+        return [row.proposal() for row in rows]
 
     def _plan(self, request: _Request, cap: int) -> _Row:
         """A row for ``request``; ``cap`` cut so that no fed position reaches the draft's ctx_len.
@@ -257,49 +261,18 @@ class DraftProposer:
         if self.num_draft_tokens is not None:
             cap = min(cap, self.num_draft_tokens)
         cap = max(0, min(cap, self.ctx_len + 1 - len(request.tokens)))
-        request.probs = []
         return _Row(request, cap, deque(request.pending) if cap > 0 else deque())
 
     def prefill(self, rows: list[_Row]) -> None:
         """Feed each row's backlog with the prefill shape, in chunks; the last logits give draft 1."""
         if not rows:
             return
-        bound = self.model.prefill
-        per_call = bound.spec.batch_size if bound.batch_index is not None else len(rows)
-        for at in range(0, len(rows), per_call):
-            group = rows[at : at + per_call]
-            placed = self._prefill_rows(bound, group)
-            backlog = {id(row): list(row.feed) for row in group}
-            for row in group:
-                row.feed.clear()
-            chunk = bound.spec.seq_len
-            for start in range(0, max(len(b) for b in backlog.values()), chunk):
-                bound.reset()
-                for r, row in placed:
-                    piece = backlog[id(row)][start : start + chunk]
-                    if not piece:
-                        continue
-                    at_pos = len(row.request.cached)
-                    bound.input_ids[r, : len(piece)] = piece
-                    bound.position_ids[r, : len(piece)] = np.arange(at_pos, at_pos + len(piece))
-                    row.request.cached.extend(piece)
-                logits = self.model.run(bound)  # [rows, 1, vocab]: each row's last real token
-                self.calls["prefill"] += 1
-                for r, row in placed:
-                    if start < len(backlog[id(row)]) <= start + chunk:
-                        self._add_draft(row, logits[r, 0])
-
-    def _prefill_rows(self, bound: Binding, group: list[_Row]) -> list[tuple[int, _Row]]:
-        """(row of the prefill call, draft row); sets ``batch_index`` under continuous batching."""
-        if bound.batch_index is None:  # one KV row per call row: a request's row is its slot
-            return [(row.request.slot, row) for row in group]
-        used = {row.request.slot for row in group}
-        spare = next((s for s in range(self.model.rows) if s not in used), 0)
-        # Padding rows point at a slot no live row of this call writes (they rewrite its old values).
-        bound.batch_index[:, 0] = spare
-        for r, row in enumerate(group):
-            bound.batch_index[r, 0] = row.request.slot
-        return list(enumerate(group))
+        backlogs = []
+        for row in rows:
+            backlogs.append(PrefillRow(row.request.slot, list(row.feed), start=len(row.request.cached)))
+            row.request.cached.extend(row.feed)
+            row.feed.clear()
+        self.calls["prefill"] += run_prefill(self.model, backlogs, lambda i, logits: self._add_draft(rows[i], logits[0]))
 
     def draft(self, rows: list[_Row]) -> None:
         """Batched seq_len = 1 calls until every row has its drafts: one token per row per call.
@@ -347,7 +320,7 @@ class DraftProposer:
                 row.done = True
                 return
             token = sample_token(q, request.rng)
-            request.probs.append(q)
+            row.probs.append(q)
         row.drafts.append(token)
         if len(row.drafts) < row.cap:
             row.feed.append(token)

@@ -37,7 +37,9 @@ from qspec.errors import ConfigError, PromptTooLongError
 from qspec.runtime.dispatch import AcceptanceStats, pick_k_by_cost
 from qspec.runtime.metrics import EngineMetrics, RequestMetrics, aggregate
 from qspec.runtime.model import CompiledModel, SessionMode
-from qspec.runtime.proposers import Proposer, make_proposer
+from qspec.runtime.prefill import PrefillRow, run_prefill
+from qspec.runtime.proposal import Proposal, Proposer
+from qspec.runtime.proposers import make_proposer
 from qspec.runtime.sampling import SamplingParams, accept_greedy, accept_sampled, make_rng, process_logits
 from qspec.runtime.tokenizer import TextStream, Tokenizer
 from qspec.package import TOKENIZER_DIR
@@ -136,10 +138,6 @@ class Engine:
         self.model = model or CompiledModel(package, session_mode=session_mode, spinning=spinning, num_threads=num_threads)
         self.tokenizer = Tokenizer(self.model.package / TOKENIZER_DIR)
         self.method = method
-        if proposer is None and method == "draft":
-            from qspec.runtime.draft import DraftProposer
-
-            proposer = DraftProposer(**method_options)
         self.proposer: Proposer = proposer or make_proposer(method, **method_options)
         self.ks = self.model.ks
         if num_speculative_tokens is not None:
@@ -160,9 +158,8 @@ class Engine:
                 raise ConfigError(f"max_batch_size {max_batch_size} must be in [1, {slots}] (the package's KV slots)")
             slots = max_batch_size
         self.num_slots = slots
-        check_target = getattr(self.proposer, "check_target", None)  # a draft model must fit the target
-        if check_target is not None:
-            check_target(vocab_size=self.model.vocab_size, ctx_len=self.model.ctx_len, num_slots=self.num_slots)
+        model = self.model
+        self.proposer.check_target(vocab_size=model.vocab_size, ctx_len=model.ctx_len, num_slots=self.num_slots)
         if force_accept is not None and force_accept < 0:
             raise ConfigError(f"force_accept {force_accept} must be >= 0")
         self.force_accept = force_accept
@@ -221,55 +218,26 @@ class Engine:
 
     def prefill(self, group: list[_Sequence]) -> None:
         """Run the prompts of ``group`` in chunks of ``prefill_seq_len``; sets each one's first token."""
-        bound = self.model.prefill
-        chunk = bound.spec.seq_len
-        rows = self._prefill_rows(group)
-        longest = max(len(seq.prompt) for seq in group)
-        for start in range(0, longest, chunk):
-            bound.reset()
-            for row, seq in rows:
-                piece = seq.prompt[start : start + chunk]
-                bound.input_ids[row, : len(piece)] = piece
-                bound.position_ids[row, : len(piece)] = np.arange(start, start + len(piece))
-            logits = self.model.run(bound)  # [rows, 1, vocab]: the last real token of each row
-            self.calls["prefill"] += 1
-            for row, seq in rows:
-                if start < len(seq.prompt) <= start + chunk:
-                    seq.position = len(seq.prompt)
-                    first = self._sample(seq, logits[row, :1])[0]
-                    seq.metrics.first_token(time.perf_counter())
-                    self._emit(seq, [first])
 
-    def _prefill_rows(self, group: list[_Sequence]) -> list[tuple[int, _Sequence]]:
-        """(row of the prefill call, sequence); sets ``batch_index`` under continuous batching."""
-        bound = self.model.prefill
-        if bound.batch_index is None:  # one KV row per call row: a sequence's row is its slot
-            return [(seq.slot, seq) for seq in group]
-        used = {seq.slot for seq in group}
-        spare = next(s for s in range(self.model.rows) if s not in used) if len(group) < bound.spec.batch_size else 0
-        # Padding rows point at a slot no live row of this call writes (they rewrite its old values).
-        bound.batch_index[:, 0] = spare
-        for row, seq in enumerate(group):
-            bound.batch_index[row, 0] = seq.slot
-        return list(enumerate(group))
+        def first_token(i: int, logits: np.ndarray) -> None:  # logits [1, vocab] after the prompt
+            seq = group[i]
+            seq.position = len(seq.prompt)
+            first = self._sample(seq, logits)[0]
+            seq.metrics.first_token(time.perf_counter())
+            self._emit(seq, [first])
+
+        rows = [PrefillRow(seq.slot, seq.prompt) for seq in group]
+        self.calls["prefill"] += run_prefill(self.model, rows, first_token)
 
     def draft_cap(self, seq: _Sequence) -> int:
         """Most drafts ``seq`` may verify: no position may reach ``ctx_len``, no token past the budget."""
         return max(0, min(self.k_max, self.model.ctx_len - 1 - seq.position, seq.remaining - 1))
 
-    def propose(self, live: list[_Sequence]) -> list[np.ndarray]:
-        """Drafts for every live sequence, each cut to its :meth:`draft_cap`.
-
-        A proposer with ``propose_batch([(request_id, cap), ...])`` (a draft model) drafts for the
-        whole batch at once; others are asked one sequence at a time.
-        """
+    def propose(self, live: list[_Sequence]) -> list[Proposal]:
+        """A proposal for every live sequence, each cut to its :meth:`draft_cap`."""
         caps = [self.draft_cap(seq) for seq in live]
-        batch_fn = getattr(self.proposer, "propose_batch", None)
-        if batch_fn is not None:
-            drafts = batch_fn([(seq.index, cap) for seq, cap in zip(live, caps)])
-        else:
-            drafts = [self.proposer.propose(seq.index, cap) if cap > 0 else () for seq, cap in zip(live, caps)]
-        return [np.asarray(d, dtype=np.int64)[:cap] for d, cap in zip(drafts, caps)]
+        proposals = self.proposer.propose_batch([(seq.index, cap) for seq, cap in zip(live, caps)])
+        return [proposal.cut(cap) for proposal, cap in zip(proposals, caps)]
 
     def verify(self, k: int, batch: list[tuple[_Sequence, np.ndarray]]) -> np.ndarray:
         """One call of the ``seq_len = k + 1`` specialization; logits ``[rows, k + 1, vocab]``."""
@@ -283,8 +251,9 @@ class Engine:
         self.calls[k] += 1
         return self.model.run(bound)
 
-    def accept(self, seq: _Sequence, drafts: np.ndarray, logits: np.ndarray) -> list[int]:
+    def accept(self, seq: _Sequence, proposal: Proposal, logits: np.ndarray) -> list[int]:
         """Accepted drafts plus the bonus, from this row's ``[n + 1, vocab]`` logits."""
+        drafts = proposal.tokens
         n = len(drafts)
         if self.force_accept is not None:
             accepted = min(n, self.force_accept)
@@ -294,25 +263,23 @@ class Engine:
             accepted, bonus = accept_greedy(logits.argmax(axis=-1), drafts)
         else:
             probs = process_logits(logits, seq.params)
-            draft_probs_fn = getattr(self.proposer, "draft_probs", None)  # a sampling draft model's q
-            draft_probs = draft_probs_fn(seq.index) if draft_probs_fn is not None else None
-            accepted, bonus = accept_sampled(probs, drafts, seq.rng, draft_probs)
+            accepted, bonus = accept_sampled(probs, drafts, seq.rng, proposal.probs)
         return [*drafts[:accepted].tolist(), int(bonus)]
 
     def step(self, live: list[_Sequence]) -> None:
         """One decode step for every live sequence: propose, pick K, verify, accept."""
         batch = list(zip(live, self.propose(live)))
-        lengths = [len(d) for _, d in batch]
+        lengths = [len(p) for _, p in batch]
         if self.dispatch == "cost":
             k = pick_k_by_cost(self.ks, self.call_ms, lengths, self.stats.chain())
         else:
             k = pick_k(self.ks, max(lengths))
-        batch = [(seq, d[:k]) for seq, d in batch]
-        logits = self.verify(k, batch)  # [rows, k + 1, vocab]
-        for seq, drafts in batch:
-            n = len(drafts)
+        batch = [(seq, p.cut(k)) for seq, p in batch]
+        logits = self.verify(k, [(seq, p.tokens) for seq, p in batch])  # [rows, k + 1, vocab]
+        for seq, proposal in batch:
+            n = len(proposal)
             row = logits[seq.slot, k - n : k + 1]  # right-aligned: the last n + 1 real tokens
-            tokens = self.accept(seq, drafts, row)
+            tokens = self.accept(seq, proposal, row)
             seq.metrics.target_call(k, proposed=n, accepted=len(tokens) - 1)
             if n:
                 self.stats.observe(n, len(tokens) - 1)
@@ -434,10 +401,7 @@ class Engine:
                 seq = waiting.popleft()
                 seq.slot = slots.index(None)
                 slots[seq.slot] = seq
-                self.proposer.start(seq.index, seq.prompt)
-                configure = getattr(self.proposer, "configure", None)  # a draft model samples too
-                if configure is not None:
-                    configure(seq.index, seq.params, seq.rng)
+                self.proposer.start(seq.index, seq.prompt, seq.params, seq.rng)
                 group.append(seq)
             self.prefill(group)
             self._retire(slots, done)

@@ -6,28 +6,35 @@ Terms used across the runtime:
 - **accepted** tokens are the longest prefix of the drafts the target model agrees with;
 - the **bonus** token is the one the target model adds after the accepted drafts.
 
-Every proposer follows the :class:`Proposer` protocol: ``start`` a request with its prompt,
-``extend`` it with the tokens a step accepted (accepted drafts and bonus), ``propose`` at most
-``k`` drafts for the next step, ``finish`` it. A proposer only ever sees tokens that are part of
-the request's final output; it never has to forget rejected drafts.
+Every proposer is a :class:`~qspec.runtime.proposal.Proposer`: ``start`` a request with its
+prompt, ``extend`` it with the tokens a step accepted (accepted drafts and bonus), ``propose`` at
+most ``k`` drafts for the next step, ``finish`` it. A proposer only ever sees tokens that are part
+of the request's final output; it never has to forget rejected drafts.
 
-Methods (``make_proposer``): ``none``, ``pld`` (prompt lookup, :func:`find_longest_ngram`),
-``user`` (the caller's drafts) and ``suffix`` (:mod:`qspec.runtime.suffix`).
+Methods, all from one registry (:func:`make_proposer`): ``none``, ``pld`` (prompt lookup,
+:func:`find_longest_ngram`), ``user`` (the caller's drafts), ``suffix``
+(:mod:`qspec.runtime.suffix`) and ``draft`` (a draft model, :mod:`qspec.runtime.draft`).
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Hashable, Sequence
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
 from qspec.errors import ConfigError
+from qspec.runtime.proposal import Proposal, Proposer, RequestId, Tokens, as_tokens
+from qspec.runtime.sampling import SamplingParams
 from qspec.runtime.suffix import SuffixProposer
 
-RequestId = Hashable
-Tokens = np.ndarray | Sequence[int]
+Rng = np.random.Generator | None
+
+__all__ = [
+    "PROPOSER_METHODS", "NoProposer", "PromptLookup", "PromptLookupProposer", "Proposal", "Proposer",
+    "SuffixProposer", "UserProposer", "find_longest_ngram", "make_proposer",
+]
 
 DEFAULT_PROMPT_LOOKUP_MIN = 1
 DEFAULT_PROMPT_LOOKUP_MAX = 3
@@ -38,13 +45,6 @@ _EMPTY = np.zeros(0, dtype=np.int64)
 # --------------------------------------------------------------------------------------------
 # Helpers
 # --------------------------------------------------------------------------------------------
-
-
-def as_tokens(tokens: Tokens) -> np.ndarray:
-    """``tokens`` as a 1-D int64 array (a copy only when needed)."""
-    arr = np.asarray(tokens, dtype=np.int64)
-    assert arr.ndim == 1, f"tokens must be 1-D, got shape {arr.shape}"
-    return arr
 
 
 def check_ngram_range(min_n: int, max_n: int) -> None:
@@ -153,35 +153,16 @@ class PromptLookup:
 # --------------------------------------------------------------------------------------------
 
 
-@runtime_checkable
-class Proposer(Protocol):
-    """Offers drafts for each request; told what each step accepted."""
-
-    def start(self, request_id: RequestId, prompt_tokens: Tokens) -> None:
-        """Begin ``request_id`` with its prompt."""
-        ...
-
-    def extend(self, request_id: RequestId, new_tokens: Tokens) -> None:
-        """Append the tokens one step accepted (accepted drafts and the bonus token)."""
-        ...
-
-    def propose(self, request_id: RequestId, k: int) -> np.ndarray:
-        """At most ``k`` drafts (int64, possibly empty) to follow the request's history."""
-        ...
-
-    def finish(self, request_id: RequestId) -> None:
-        """Forget ``request_id`` (a proposer may keep what it learned from it)."""
-        ...
-
-
 def _unknown_request(request_id: RequestId) -> KeyError:
     return KeyError(f"unknown request {request_id!r}: call start() before extend/propose/finish")
 
 
-class NoProposer:
+class NoProposer(Proposer):
     """Proposes nothing: every step is a plain decode (K=0 when compiled)."""
 
-    def start(self, request_id: RequestId, prompt_tokens: Tokens) -> None:
+    def start(
+        self, request_id: RequestId, prompt_tokens: Tokens, params: SamplingParams | None = None, rng: Rng = None
+    ) -> None:
         pass
 
     def extend(self, request_id: RequestId, new_tokens: Tokens) -> None:
@@ -194,7 +175,7 @@ class NoProposer:
         pass
 
 
-class PromptLookupProposer:
+class PromptLookupProposer(Proposer):
     """Prompt lookup decoding ("pld") over each request's prompt and generated tokens."""
 
     def __init__(
@@ -207,7 +188,9 @@ class PromptLookupProposer:
         self.prompt_lookup_max = prompt_lookup_max
         self._lookups: dict[RequestId, PromptLookup] = {}
 
-    def start(self, request_id: RequestId, prompt_tokens: Tokens) -> None:
+    def start(
+        self, request_id: RequestId, prompt_tokens: Tokens, params: SamplingParams | None = None, rng: Rng = None
+    ) -> None:
         lookup = PromptLookup(self.prompt_lookup_min, self.prompt_lookup_max)
         lookup.extend(prompt_tokens)
         self._lookups[request_id] = lookup
@@ -231,7 +214,7 @@ class PromptLookupProposer:
 DraftFn = Callable[[RequestId, np.ndarray], Tokens]
 
 
-class UserProposer:
+class UserProposer(Proposer):
     """The caller's drafts: queued with :meth:`set_drafts`, or computed by ``fn(request_id, history)``.
 
     Queued drafts come first. As a step's tokens are appended, the drafts they confirm are popped
@@ -252,7 +235,9 @@ class UserProposer:
         if request_id not in self._history:
             raise _unknown_request(request_id)
 
-    def start(self, request_id: RequestId, prompt_tokens: Tokens) -> None:
+    def start(
+        self, request_id: RequestId, prompt_tokens: Tokens, params: SamplingParams | None = None, rng: Rng = None
+    ) -> None:
         self._history[request_id] = as_tokens(prompt_tokens).tolist()
         self._queue[request_id] = []
 
@@ -293,10 +278,17 @@ class UserProposer:
 # Factory
 # --------------------------------------------------------------------------------------------
 
-_PROPOSERS: dict[str, tuple[Callable[..., Any], tuple[str, ...]]] = {
-    "none": (NoProposer, ()),
-    "pld": (PromptLookupProposer, ("prompt_lookup_min", "prompt_lookup_max")),
-    "user": (UserProposer, ("fn",)),
+def _draft_proposer(**knobs: Any) -> Proposer:
+    from qspec.runtime.draft import DraftProposer  # loads a model: imported only when asked for
+
+    return DraftProposer(**knobs)
+
+
+# method -> (factory, its knobs, the knobs it cannot do without)
+_PROPOSERS: dict[str, tuple[Callable[..., Proposer], tuple[str, ...], tuple[str, ...]]] = {
+    "none": (NoProposer, (), ()),
+    "pld": (PromptLookupProposer, ("prompt_lookup_min", "prompt_lookup_max"), ()),
+    "user": (UserProposer, ("fn",), ()),
     "suffix": (
         SuffixProposer,
         (
@@ -305,27 +297,46 @@ _PROPOSERS: dict[str, tuple[Callable[..., Any], tuple[str, ...]]] = {
             "suffix_decoding_max_spec_factor",
             "suffix_decoding_min_token_prob",
         ),
+        (),
+    ),
+    "draft": (
+        _draft_proposer,
+        (
+            "draft_package",
+            "num_draft_tokens",
+            "draft_confidence_threshold",
+            "prefill_min_tokens",
+            "session_mode",
+            "spinning",
+            "num_threads",
+        ),
+        ("draft_package",),
     ),
 }
 PROPOSER_METHODS = tuple(_PROPOSERS)
+_FIXES = {"draft_package": "compile one with `qspec compile --num-layers N`"}
 
 
 def make_proposer(method: str, **knobs: Any) -> Proposer:
-    """The proposer named ``method`` ("none", "pld", "user", "suffix"), built from its knobs.
+    """The proposer named ``method`` (one of :data:`PROPOSER_METHODS`), built from its knobs.
 
     Knobs whose value is ``None`` take their default. Knobs of another method are ignored, so a
-    caller may pass one config's knobs whatever the method; a name no method knows is an error.
+    caller may pass one config's knobs whatever the method; a name no method knows is an error,
+    and so is a missing knob the method cannot do without (``draft`` needs ``draft_package``).
     """
     if method not in _PROPOSERS:
         raise ConfigError(
             f"unknown speculative method {method!r}; valid methods: {', '.join(PROPOSER_METHODS)}"
         )
-    known = {name for _, names in _PROPOSERS.values() for name in names}
+    known = {name for _, names, _ in _PROPOSERS.values() for name in names}
     unknown = sorted(set(knobs) - known)
     if unknown:
         raise ConfigError(
             f"unknown proposer option(s) {', '.join(unknown)}; valid options: {', '.join(sorted(known))}"
         )
-    factory, names = _PROPOSERS[method]
+    factory, names, required = _PROPOSERS[method]
     kwargs = {name: knobs[name] for name in names if knobs.get(name) is not None}
+    for name in required:
+        if name not in kwargs:
+            raise ConfigError(f"method {method} needs {name} ({_FIXES[name]})")
     return factory(**kwargs)

@@ -33,15 +33,13 @@ nodes. Memory is up to ``max_depth`` nodes per token held.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from qspec.errors import ConfigError
-
-RequestId = Hashable
-Tokens = np.ndarray | Sequence[int]
+from qspec.runtime.proposal import Proposer, RequestId, Tokens
+from qspec.runtime.sampling import SamplingParams
 
 DEFAULT_MAX_TREE_DEPTH = 24
 # vLLM uses 10,000; Python trie nodes cost ~250 B per (token, depth), so cap memory at a few hundred MB.
@@ -210,7 +208,7 @@ class _Request:
     global_version: int = -1
 
 
-class SuffixProposer:
+class SuffixProposer(Proposer):
     """Suffix decoding ("suffix"): a request tree plus a global tree over earlier outputs."""
 
     def __init__(
@@ -251,7 +249,13 @@ class SuffixProposer:
                 f"unknown request {request_id!r}: call start() before extend/propose/finish"
             ) from None
 
-    def start(self, request_id: RequestId, prompt_tokens: Tokens) -> None:
+    def start(
+        self,
+        request_id: RequestId,
+        prompt_tokens: Tokens,
+        params: SamplingParams | None = None,
+        rng: np.random.Generator | None = None,
+    ) -> None:
         tokens = _as_list(prompt_tokens)
         tree = SuffixTrie(self.max_tree_depth)
         frontier = tree.add(tree.frontier(), tokens)

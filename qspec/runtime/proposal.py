@@ -1,0 +1,102 @@
+"""The proposer contract: what the engine may ask of any proposer, and the record a proposal travels in.
+
+A request's life in a proposer::
+
+    start(id, prompt, params, rng)      the prompt, and how the request samples
+    [propose_batch([(id, cap), ...])    a Proposal per request: at most ``cap`` drafts (+ their q)
+     extend(id, accepted + bonus)]*     the tokens the step emitted
+    finish(id)
+
+Everything a step hands from the proposer to the verifier is in the :class:`Proposal` (the drafts
+and, for a draft model that samples, the distributions they were drawn from): nothing is kept in
+the proposer between ``propose`` and ``extend``. Terms (proposed, accepted, bonus) as in
+:mod:`qspec.runtime.proposers`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from qspec.runtime.sampling import SamplingParams
+
+RequestId = Hashable
+Tokens = np.ndarray | Sequence[int]
+
+
+def as_tokens(tokens: Tokens) -> np.ndarray:
+    """``tokens`` as a 1-D int64 array (a copy only when needed)."""
+    arr = np.asarray(tokens, dtype=np.int64)
+    assert arr.ndim == 1, f"tokens must be 1-D, got shape {arr.shape}"
+    return arr
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """One request's drafts for one step.
+
+    ``probs`` [n, vocab]: row ``i`` is the distribution ``q`` draft ``i`` was drawn from (a draft
+    model that samples); None when each draft is a point mass (prompt lookup, suffix, user drafts,
+    greedy draft models). The verifier's ``min(1, p / q)`` rule needs it.
+    """
+
+    tokens: np.ndarray  # [n] int64
+    probs: np.ndarray | None = None  # [n, vocab]
+
+    def __post_init__(self) -> None:
+        if self.probs is not None:
+            assert self.probs.shape[0] == len(self.tokens), f"{self.probs.shape[0]} q rows for {len(self.tokens)} drafts"
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def cut(self, n: int) -> Proposal:
+        """The first ``n`` drafts (and their q)."""
+        if n >= len(self.tokens):
+            return self
+        return Proposal(self.tokens[:n], None if self.probs is None else self.probs[:n])
+
+    @classmethod
+    def empty(cls) -> Proposal:
+        return cls(np.zeros(0, dtype=np.int64))
+
+
+class Proposer(ABC):
+    """Offers drafts for each request; told what each step emitted. The engine calls only these.
+
+    A proposer implements ``start``, ``extend``, ``propose`` and ``finish``; one that drafts a
+    whole batch at once (a draft model) overrides ``propose_batch``; one with requirements on the
+    target (a draft model: vocabulary, context, KV slots) overrides ``check_target``.
+    """
+
+    @abstractmethod
+    def start(
+        self,
+        request_id: RequestId,
+        prompt_tokens: Tokens,
+        params: SamplingParams | None = None,
+        rng: np.random.Generator | None = None,
+    ) -> None:
+        """Begin ``request_id`` with its prompt; ``params``/``rng``: how it samples (a draft model samples alike)."""
+
+    @abstractmethod
+    def extend(self, request_id: RequestId, new_tokens: Tokens) -> None:
+        """Append the tokens one step emitted (accepted drafts and the bonus token)."""
+
+    @abstractmethod
+    def propose(self, request_id: RequestId, k: int) -> np.ndarray:
+        """At most ``k`` drafts (int64, possibly empty) to follow the request's history."""
+
+    @abstractmethod
+    def finish(self, request_id: RequestId) -> None:
+        """Forget ``request_id`` (a proposer may keep what it learned from it)."""
+
+    def propose_batch(self, items: Sequence[tuple[RequestId, int]]) -> list[Proposal]:
+        """A proposal of at most ``cap`` drafts for each ``(request_id, cap)``; by default one by one."""
+        return [Proposal(as_tokens(self.propose(rid, cap))) if cap > 0 else Proposal.empty() for rid, cap in items]
+
+    def check_target(self, *, vocab_size: int, ctx_len: int, num_slots: int) -> None:
+        """Raise ConfigError when this proposer cannot serve the target; most proposers serve any."""
