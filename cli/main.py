@@ -161,6 +161,7 @@ def generate(
     draft_package: DraftPackageOption = None,
     max_batch_size: Annotated[Optional[int], typer.Option(help="Sequences in flight (default: all KV slots).")] = None,
     dispatch: DispatchOption = "cover",
+    backend: Annotated[str, typer.Option(help="ort (ONNX Runtime, CPU) or qaic (the package's QPC on Cloud AI 100).")] = "ort",
     chat: Annotated[bool, typer.Option(help="Apply the tokenizer's chat template.")] = False,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
     top_k: Annotated[int, typer.Option(help="0 = off.")] = 0,
@@ -185,7 +186,9 @@ def generate(
         # Each method takes the knobs it knows (qspec.runtime.proposers.make_proposer).
         knobs = dict(prompt_lookup_min=prompt_lookup_min, prompt_lookup_max=prompt_lookup_max, draft_package=draft_package)
         with status("loading the package"):
-            engine = Engine(package, method=method, max_batch_size=max_batch_size, dispatch=dispatch, **knobs)
+            engine = Engine(
+                package, method=method, max_batch_size=max_batch_size, dispatch=dispatch, backend=backend, **knobs
+            )
         stream = not as_json and len(prompts) == 1
         on_text = (lambda i, text: (sys.stdout.write(text), sys.stdout.flush())) if stream else None
         outputs = engine.generate(prompts, params, chat=chat, on_text=on_text)

@@ -36,7 +36,7 @@ from qspec import contract
 from qspec.errors import ConfigError, PromptTooLongError
 from qspec.runtime.dispatch import AcceptanceStats, pick_k_by_cost
 from qspec.runtime.metrics import EngineMetrics, RequestMetrics, aggregate
-from qspec.runtime.model import CompiledModel, SessionMode
+from qspec.runtime.backend import LoadedModel, SessionMode, load_model
 from qspec.runtime.prefill import PrefillRow, run_prefill
 from qspec.runtime.proposal import Proposal, Proposer
 from qspec.runtime.proposers import make_proposer
@@ -101,7 +101,7 @@ def pick_k(ks: Sequence[int], proposed: int) -> int:
 
 
 class Engine:
-    """Generate with speculative decoding from a compiled package on ONNX Runtime (CPU).
+    """Generate with speculative decoding from a compiled package, on any runtime backend.
 
     >>> engine = Engine("packages/SmolLM2-135M-Instruct.Q4_1-k0_4", method="pld")
     >>> out = engine.generate(["def add(a, b):"], SamplingParams(max_new_tokens=32))
@@ -121,7 +121,8 @@ class Engine:
         num_speculative_tokens: Sequence[int] | str | None = None,
         dispatch: str = "cover",
         proposer: Proposer | None = None,
-        model: CompiledModel | None = None,
+        model: LoadedModel | None = None,
+        backend: str = "ort",
         **method_options: Any,
     ):
         """Load ``package``; ``method`` is ``none``, ``pld``, ``suffix``, ``user`` or ``draft``.
@@ -130,12 +131,16 @@ class Engine:
         ``dispatch``: ``cover`` runs the smallest K covering the longest proposal; ``cost`` the K
         with the most expected tokens per ms (see :mod:`qspec.runtime.dispatch`).
         ``max_batch_size`` caps the sequences in flight (default: every KV slot of the package).
+        ``backend``: where the package runs, ``ort`` (ONNX Runtime, CPU) or ``qaic`` (its QPC on Cloud
+        AI 100, :mod:`qspec.runtime.qaic`); the engine is the same on both.
         ``force_accept`` is a testing knob: accept exactly ``min(n, force_accept)`` drafts whatever
         the target says (the output is then *not* the target's greedy output).
         ``method_options`` go to the proposer (``prompt_lookup_min``, ``prompt_lookup_max``, ...).
         """
         # Engines may share one loaded model (weights, sessions and KV cache), one at a time.
-        self.model = model or CompiledModel(package, session_mode=session_mode, spinning=spinning, num_threads=num_threads)
+        self.model = model or load_model(
+            package, backend=backend, session_mode=session_mode, spinning=spinning, num_threads=num_threads
+        )
         self.tokenizer = Tokenizer(self.model.package / TOKENIZER_DIR)
         self.method = method
         self.proposer: Proposer = proposer or make_proposer(method, **method_options)

@@ -1,4 +1,7 @@
-"""A compiled package loaded into ONNX Runtime: KV buffers resident, one IO binding per specialization.
+"""The ``ort`` runtime backend: a compiled package in ONNX Runtime, KV buffers resident, one IO binding per specialization.
+
+:class:`CompiledModel` implements :class:`~qspec.runtime.backend.LoadedModel` (the interface the
+engine uses, whatever the backend).
 
 The KV cache is ``2 * num_layers`` OrtValues of ``[rows, kv_heads, ctx_len, head_dim]``, allocated
 once. Every specialization's binding binds each ``past_*`` input **and** its ``_RetainedState``
@@ -30,32 +33,22 @@ import onnxruntime as ort
 
 from qspec import contract
 from qspec.backends import ort as ort_backend
-from qspec.package import ONNX_FILE, Manifest, check_package
+from qspec.package import ONNX_FILE
+from qspec.runtime.backend import Binding, LoadedModel, SessionMode, host_arrays
 from qspec.specializations import Specialization
 
-SessionMode = Literal["shared", "static"]
 
 
 @dataclass
-class Binding:
-    """One specialization's IO binding and the numpy arrays behind its small inputs and logits."""
+class OrtBinding(Binding):
+    """A specialization's host arrays wrapped (not copied) by OrtValues bound to its session's IO binding."""
 
-    spec: Specialization
-    session: ort.InferenceSession
-    binding: ort.IOBinding
-    input_ids: np.ndarray  # [batch_size, seq_len]
-    position_ids: np.ndarray  # [batch_size, seq_len]
-    batch_index: np.ndarray | None  # [batch_size, 1]
-    logits: np.ndarray  # [batch_size, num_logits_to_keep, vocab]
+    session: ort.InferenceSession | None = None
+    binding: ort.IOBinding | None = None
     keep: list = field(default_factory=list)  # OrtValues that must outlive the binding
 
-    def reset(self) -> None:
-        """Every row padding: token 0 at PAD_POSITION."""
-        self.input_ids.fill(0)
-        self.position_ids.fill(contract.PAD_POSITION)
 
-
-class CompiledModel:
+class CompiledModel(LoadedModel):
     """A package's graph on ONNX Runtime with its KV cache; ``run(binding)`` is one call."""
 
     def __init__(
@@ -66,23 +59,10 @@ class CompiledModel:
         spinning: bool = True,
         num_threads: int | None = None,
     ):
-        self.package = Path(package)
-        self.manifest: Manifest = check_package(self.package)
+        self._read_package(package)
         self.session_mode = session_mode
         model = self.manifest.model
         specs = self.manifest.specializations
-        self.prefill_spec = specs[0]
-        self.decode_specs: dict[int, Specialization] = {}
-        for spec in specs[1:]:
-            self.decode_specs.setdefault(spec.num_speculative_tokens, spec)
-        if not self.decode_specs:  # prefill_seq_len == 1 and only K=0: the one shape serves both
-            self.decode_specs[0] = specs[0]
-        self.ks = sorted(self.decode_specs)
-        self.ctx_len = self.prefill_spec.ctx_len
-        self.rows = self.prefill_spec.full_batch_size or max(s.batch_size for s in specs)
-        self.continuous_batching = model.continuous_batching
-        self.speculative = model.speculative
-        self.vocab_size = model.vocab_size
 
         begin = time.perf_counter()
         onnx_path = self.package / ONNX_FILE
@@ -109,40 +89,30 @@ class CompiledModel:
         shape = (self.rows, model.num_kv_heads, self.ctx_len, model.head_dim)
         self.kv_names = contract.kv_names(model.num_layers)
         self.kv = [ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, dtype=dtype)) for _ in self.kv_names]
-        self.bindings: dict[Specialization, Binding] = {spec: self._bind(spec, sessions[spec]) for spec in specs}
-        self.prefill = self.bindings[self.prefill_spec]
-        self.decode = {k: self.bindings[spec] for k, spec in self.decode_specs.items()}
+        self.bindings: dict[Specialization, OrtBinding] = {spec: self._bind(spec, sessions[spec]) for spec in specs}
+        self._index()
 
-    def _bind(self, spec: Specialization, session: ort.InferenceSession) -> Binding:
+    def _bind(self, spec: Specialization, session: ort.InferenceSession) -> OrtBinding:
+        arrays = host_arrays(spec, self.vocab_size, continuous_batching=self.continuous_batching)
         binding = session.io_binding()
-        rows, seq = spec.batch_size, spec.seq_len
-        input_ids = np.zeros((rows, seq), dtype=np.int64)
-        position_ids = np.full((rows, seq), contract.PAD_POSITION, dtype=np.int64)
-        keep_n = spec.num_logits_to_keep or 1
-        logits = np.zeros((rows, keep_n, self.vocab_size), dtype=np.float32)
-        values = [ort.OrtValue.ortvalue_from_numpy(a) for a in (input_ids, position_ids, logits)]
+        values = [ort.OrtValue.ortvalue_from_numpy(arrays[name]) for name in ("input_ids", "position_ids", "logits")]
         binding.bind_ortvalue_input(contract.INPUT_IDS, values[0])
         binding.bind_ortvalue_input(contract.POSITION_IDS, values[1])
         binding.bind_ortvalue_output(contract.LOGITS, values[2])
-        batch_index = None
-        if self.continuous_batching:
-            batch_index = np.arange(rows, dtype=np.int64)[:, None]
-            values.append(ort.OrtValue.ortvalue_from_numpy(batch_index))
+        if arrays["batch_index"] is not None:
+            values.append(ort.OrtValue.ortvalue_from_numpy(arrays["batch_index"]))
             binding.bind_ortvalue_input(contract.BATCH_INDEX, values[-1])
         if self.speculative:
+            keep_n = arrays["logits"].shape[1]
             values.append(ort.OrtValue.ortvalue_from_numpy(np.zeros((keep_n, 1), dtype=np.int64)))
             binding.bind_ortvalue_input(contract.NUM_LOGITS_TO_KEEP, values[-1])
         for name, value in zip(self.kv_names, self.kv):
             binding.bind_ortvalue_input(name, value)
             binding.bind_ortvalue_output(contract.retained(name), value)
-        return Binding(spec, session, binding, input_ids, position_ids, batch_index, logits, values)
+        return OrtBinding(spec, **arrays, session=session, binding=binding, keep=values)
 
-    def run(self, bound: Binding) -> np.ndarray:
+    def run(self, bound: OrtBinding) -> np.ndarray:
         """One call with the inputs written into ``bound``'s arrays; returns its logits array."""
         bound.session.run_with_iobinding(bound.binding)
         return bound.logits
-
-    def weight_bytes(self) -> int:
-        """Bytes of the weights streamed by every call (the memory-bandwidth floor's numerator)."""
-        return sum(p.stat().st_size for p in self.package.glob(ONNX_FILE + "*"))
 

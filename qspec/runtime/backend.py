@@ -1,0 +1,117 @@
+"""The runtime backend seam: a compiled package loaded on some device, behind one small interface.
+
+The engine, the draft proposer and the prefill routine use only :class:`LoadedModel`:
+
+- **load** a package (``load_model(package, backend=...)``): its specializations, KV cache resident;
+- **bind** a specialization: :attr:`LoadedModel.prefill`, :attr:`LoadedModel.decode` ``[K]`` are
+  :class:`Binding` s, host arrays of that specialization's shapes the caller writes in place;
+- **run** a call: :meth:`LoadedModel.run` (binding) -> its logits; the KV cache stays where the
+  backend keeps it (an ORT value bound to both the input and its ``_RetainedState`` output, or
+  the device's retained state) and is never copied to the host.
+
+Backends: ``ort`` (ONNX Runtime on the CPU, :class:`qspec.runtime.model.CompiledModel`) and ``qaic``
+(a Cloud AI 100 QPC through the vendor's Python runtime, :class:`qspec.runtime.qaic.QaicModel`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from qspec import contract
+from qspec.errors import ConfigError
+from qspec.package import ONNX_FILE, Manifest, check_package
+from qspec.specializations import Specialization
+
+RUNTIME_BACKENDS = ("ort", "qaic")
+SessionMode = Literal["shared", "static"]  # ort: one session for every specialization, or one each
+
+
+@dataclass
+class Binding:
+    """One specialization's host arrays: the caller writes the inputs in place, the call fills ``logits``."""
+
+    spec: Specialization
+    input_ids: np.ndarray  # [batch_size, seq_len]
+    position_ids: np.ndarray  # [batch_size, seq_len]
+    batch_index: np.ndarray | None  # [batch_size, 1], continuous batching only
+    logits: np.ndarray  # [batch_size, num_logits_to_keep, vocab]
+
+    def reset(self) -> None:
+        """Every row padding: token 0 at PAD_POSITION."""
+        self.input_ids.fill(0)
+        self.position_ids.fill(contract.PAD_POSITION)
+
+
+def host_arrays(spec: Specialization, vocab_size: int, *, continuous_batching: bool) -> dict[str, Any]:
+    """Zeroed host arrays of ``spec``'s shapes, every row padding: the fields of a :class:`Binding`."""
+    rows, seq = spec.batch_size, spec.seq_len
+    return {
+        "input_ids": np.zeros((rows, seq), dtype=np.int64),
+        "position_ids": np.full((rows, seq), contract.PAD_POSITION, dtype=np.int64),
+        "batch_index": np.arange(rows, dtype=np.int64)[:, None] if continuous_batching else None,
+        "logits": np.zeros((rows, spec.num_logits_to_keep or 1, vocab_size), dtype=np.float32),
+    }
+
+
+class LoadedModel(ABC):
+    """A compiled package on a backend: its shapes, one :class:`Binding` per specialization, ``run``.
+
+    The constructor of a backend reads the package (:meth:`_read_package`), loads the network,
+    allocates the KV cache where it lives, and fills :attr:`bindings`, then calls :meth:`_index`.
+    """
+
+    package: Path
+    manifest: Manifest
+    bindings: dict[Specialization, Binding]
+    prefill: Binding
+    decode: dict[int, Binding]  # K -> binding of the seq_len = K + 1 specialization
+
+    def _read_package(self, package: str | Path) -> None:
+        """Shapes the runtime needs, from the manifest: Ks, ctx_len, KV rows, vocabulary."""
+        self.package = Path(package)
+        self.manifest = check_package(self.package)
+        model = self.manifest.model
+        specs = self.manifest.specializations
+        self.prefill_spec = specs[0]
+        self.decode_specs: dict[int, Specialization] = {}
+        for spec in specs[1:]:
+            self.decode_specs.setdefault(spec.num_speculative_tokens, spec)
+        if not self.decode_specs:  # prefill_seq_len == 1 and only K=0: the one shape serves both
+            self.decode_specs[0] = specs[0]
+        self.ks = sorted(self.decode_specs)
+        self.ctx_len = self.prefill_spec.ctx_len
+        self.rows = self.prefill_spec.full_batch_size or max(s.batch_size for s in specs)
+        self.continuous_batching = model.continuous_batching
+        self.speculative = model.speculative
+        self.vocab_size = model.vocab_size
+
+    def _index(self) -> None:
+        """:attr:`prefill` and :attr:`decode` from :attr:`bindings`."""
+        self.prefill = self.bindings[self.prefill_spec]
+        self.decode = {k: self.bindings[spec] for k, spec in self.decode_specs.items()}
+
+    @abstractmethod
+    def run(self, bound: Binding) -> np.ndarray:
+        """One call with the inputs written into ``bound``'s arrays; returns its logits array."""
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weights streamed by every call (the memory-bandwidth floor's numerator)."""
+        return sum(p.stat().st_size for p in self.package.glob(ONNX_FILE + "*"))
+
+
+def load_model(package: str | Path, *, backend: str = "ort", **options: Any) -> LoadedModel:
+    """Load ``package`` on ``backend``; ``options`` go to the backend (ORT: session_mode, spinning, num_threads)."""
+    if backend == "ort":
+        from qspec.runtime.model import CompiledModel
+
+        return CompiledModel(package, **options)
+    if backend == "qaic":
+        from qspec.runtime.qaic import QaicModel
+
+        return QaicModel(package, **options)
+    raise ConfigError(f"runtime backend {backend!r}: use one of {', '.join(RUNTIME_BACKENDS)}")

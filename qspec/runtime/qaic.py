@@ -1,0 +1,106 @@
+"""The ``qaic`` runtime backend: a package's QPC on Cloud AI 100, driven like QEfficient drives it.
+
+A QAIC session (QEfficient's ``QAICInferenceSession`` over the SDK's ``qaicrt``) holds buffers by
+name. qspec uses it the way QEfficient's generation loop does:
+
+- ``skip_buffers`` on every ``past_*`` input and ``past_*_RetainedState`` output: the KV cache is
+  the device's retained state, updated in place by every call and never copied to the host;
+- per call, ``set_buffers`` binds the ``logits`` output array and ``run`` the small inputs
+  (``input_ids``, ``position_ids``, ``batch_index``, ``num_logits_to_keep``); the session picks
+  the compiled specialization whose shapes match those buffers (no match: the call fails).
+
+The vendor's Python runtime is imported only here, and only when a package is loaded with
+``backend="qaic"``; without it the error says what to install.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from qspec import contract
+from qspec.backends.qaic import QPC_DIR, QPC_PROGRAM
+from qspec.errors import QSpecError
+from qspec.runtime.backend import Binding, LoadedModel, host_arrays
+
+SESSION_MODULE = "QEfficient.generation.cloud_infer"  # where QAICInferenceSession lives
+SESSION_CLASS = "QAICInferenceSession"
+
+
+class QaicRuntimeError(QSpecError):
+    """The QAIC runtime is missing, or the package has no QPC to run."""
+
+
+def session_class() -> type:
+    """QEfficient's ``QAICInferenceSession``, or a one-line error saying what is missing."""
+    try:
+        module = importlib.import_module(SESSION_MODULE)
+    except ImportError as exc:
+        raise QaicRuntimeError(
+            f"backend qaic needs the Cloud AI 100 Python runtime ({SESSION_MODULE}.{SESSION_CLASS} over qaicrt), "
+            f"which is not importable ({exc}); install the Platform SDK and QEfficient, or run with backend ort"
+        ) from None
+    return getattr(module, SESSION_CLASS)
+
+
+def qpc_path(model: LoadedModel) -> Path:
+    """The package's compiled QPC folder, or a one-line error with the way to build it."""
+    qaic = model.manifest.qaic
+    if model.manifest.backend != "qaic" or qaic is None:
+        raise QaicRuntimeError(
+            f"package {model.package} was compiled for {model.manifest.backend}, it has no QPC; "
+            "compile it with `qspec compile --backend qaic`"
+        )
+    folder = model.package / (qaic.qpc_dir or QPC_DIR)
+    if not (folder / QPC_PROGRAM).is_file():
+        raise QaicRuntimeError(
+            f"package {model.package} has no {folder.name}/{QPC_PROGRAM}: run {model.package / qaic.script} "
+            "on a machine with the SDK"
+        )
+    return folder
+
+
+class QaicModel(LoadedModel):
+    """A package's QPC loaded in a QAIC session, its KV cache resident on the device.
+
+    ``session_mode``, ``spinning`` and ``num_threads`` are ONNX Runtime's host options; they do not
+    apply to the device and are accepted only so that callers need not know the backend.
+    """
+
+    def __init__(
+        self,
+        package: str | Path,
+        *,
+        device_ids: list[int] | None = None,
+        session_mode: Any = None,
+        spinning: Any = None,
+        num_threads: Any = None,
+    ):
+        self._read_package(package)
+        session_type = session_class()
+        try:
+            self.session = session_type(str(qpc_path(self)), device_ids=device_ids)
+        except ImportError as exc:  # QEfficient imports without qaicrt and fails when a session starts
+            raise QaicRuntimeError(f"backend qaic: the QAIC runtime cannot start ({exc}); install the Platform SDK") from None
+        self.kv_names = contract.kv_names(self.manifest.model.num_layers)
+        # The KV cache stays on the device: neither written from nor read back to the host.
+        self.session.skip_buffers(self.kv_names + [contract.retained(name) for name in self.kv_names])
+        self.bindings = {
+            spec: Binding(spec, **host_arrays(spec, self.vocab_size, continuous_batching=self.continuous_batching))
+            for spec in self.manifest.specializations
+        }
+        self._index()
+
+    def run(self, bound: Binding) -> np.ndarray:
+        inputs = {contract.INPUT_IDS: bound.input_ids, contract.POSITION_IDS: bound.position_ids}
+        if bound.batch_index is not None:
+            inputs[contract.BATCH_INDEX] = bound.batch_index
+        if self.speculative:  # only its shape matters: it selects the specialization
+            inputs[contract.NUM_LOGITS_TO_KEEP] = np.zeros((bound.logits.shape[1], 1), dtype=np.int64)
+        self.session.set_buffers({contract.LOGITS: bound.logits})
+        outputs = self.session.run(inputs)
+        bound.logits[...] = outputs[contract.LOGITS]
+        return bound.logits

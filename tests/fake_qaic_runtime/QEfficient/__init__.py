@@ -1,0 +1,1 @@
+"""Stand-in for QEfficient (tests only): just the QAIC inference session, see generation/cloud_infer.py."""

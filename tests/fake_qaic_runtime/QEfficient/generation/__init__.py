@@ -1,0 +1,1 @@
+"""Stand-in for QEfficient.generation (tests only)."""

@@ -1,0 +1,106 @@
+"""The ``qaic`` runtime backend against a stand-in QAIC session (tests/fake_qaic_runtime) that enforces the session's rules.
+
+The stand-in runs the network on ONNX Runtime but behaves as the device does: a call runs only with
+buffers shaped like one compiled specialization, the retained-state KV stays on the "device", and a
+skipped buffer is never read back. The engine on it must give the ORT backend's tokens exactly.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from qspec.compile import CompileOptions, compile_package
+from qspec.runtime import Engine, SamplingParams
+from qspec.runtime.backend import load_model
+from qspec.runtime.qaic import QaicRuntimeError
+from qspec.specializations import make_config
+
+TESTS = Path(__file__).parent
+PROMPTS = ["abcabcabcabc", "hello hello hello", "xyz"]
+
+
+@pytest.fixture(scope="module")
+def packages(tiny_model, tmp_path_factory):
+    """Two packages compiled for qaic by the stand-in compiler: batch 1 with K 0,4; continuous batching (3 slots) with K 0,2."""
+    root = tmp_path_factory.mktemp("qaic-runtime")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("QAIC_COMPILE", str(TESTS / "fake_qaic" / "qaic-compile"))
+        built = {}
+        for name, ks, fbs in (("b1", "0,4", None), ("cb", "0,2", 3)):
+            spec = make_config(num_speculative_tokens=ks, ctx_len=64, prefill_seq_len=8, full_batch_size=fbs)
+            options = CompileOptions.create(specialization=spec, backend="qaic")
+            built[name], manifest, _ = compile_package(tiny_model("llama"), options, output=root / name)
+            assert manifest.qaic.ran
+    return built
+
+
+def _forget_qefficient(monkeypatch) -> None:
+    for name in [m for m in sys.modules if m == "QEfficient" or m.startswith("QEfficient.")]:
+        monkeypatch.delitem(sys.modules, name)
+
+
+@pytest.fixture
+def qaic_runtime(monkeypatch):
+    """The stand-in QEfficient on sys.path for one test (imported afresh, forgotten after)."""
+    monkeypatch.syspath_prepend(str(TESTS / "fake_qaic_runtime"))
+    _forget_qefficient(monkeypatch)
+    yield
+    for name in [m for m in sys.modules if m == "QEfficient" or m.startswith("QEfficient.")]:
+        del sys.modules[name]
+
+
+def tokens(package, backend: str, method: str) -> list[list[int]]:
+    engine = Engine(package, method=method, backend=backend)
+    outputs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=20, ignore_eos=True))
+    return [o.token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("name", ["b1", "cb"])
+def test_engine_on_qaic_gives_the_ort_tokens(packages, qaic_runtime, name):
+    """Greedy pld and none on the QAIC session equal plain greedy on ONNX Runtime, token for token."""
+    reference = tokens(packages[name], "ort", "none")
+    assert tokens(packages[name], "qaic", "none") == reference
+    assert tokens(packages[name], "qaic", "pld") == reference
+
+
+def test_kv_is_skipped_and_never_read_back(packages, qaic_runtime):
+    """The model skips every past_* buffer; the session refuses to hand one back."""
+    model = load_model(packages["b1"], backend="qaic")
+    bound = model.decode[4]
+    bound.reset()
+    bound.input_ids[0, 0], bound.position_ids[0, 0] = 5, 0
+    model.run(bound)
+    outputs = model.session.run({"input_ids": bound.input_ids, "position_ids": bound.position_ids,
+                                 "num_logits_to_keep": np.zeros((5, 1), dtype=np.int64)})
+    assert set(model.kv_names) <= model.session._skipped
+    with pytest.raises(KeyError, match="stays on the device"):
+        outputs["past_key.0_RetainedState"]
+
+
+def test_shapes_must_match_a_compiled_specialization(packages, qaic_runtime):
+    """A call whose buffers match no specialization (seq_len 3 was not compiled) fails, listing the allowed shapes."""
+    model = load_model(packages["b1"], backend="qaic")
+    with pytest.raises(ValueError, match="no compiled specialization matches"):
+        model.session.run({"input_ids": np.zeros((1, 3), dtype=np.int64), "position_ids": np.zeros((1, 3), dtype=np.int64),
+                           "num_logits_to_keep": np.zeros((3, 1), dtype=np.int64), "logits": np.zeros((1, 3, 320), np.float32)})
+
+
+def test_missing_runtime_is_one_line(packages, monkeypatch):
+    """Without the vendor's Python runtime, loading on qaic says what to install (no traceback chain)."""
+    _forget_qefficient(monkeypatch)
+    monkeypatch.setitem(sys.modules, "QEfficient", None)  # not importable
+    with pytest.raises(QaicRuntimeError, match="not importable.*backend ort") as info:
+        load_model(packages["b1"], backend="qaic")
+    assert "\n" not in str(info.value)
+
+
+def test_ort_package_has_no_qpc(tiny_model, tmp_path, qaic_runtime):
+    """A package compiled for ort cannot run on qaic: the error says how to compile one."""
+    spec = make_config(num_speculative_tokens="0", ctx_len=64, prefill_seq_len=8)
+    folder, _, _ = compile_package(tiny_model("llama"), CompileOptions.create(specialization=spec), output=tmp_path / "p")
+    with pytest.raises(QaicRuntimeError, match="compiled for ort.*--backend qaic"):
+        load_model(folder, backend="qaic")
