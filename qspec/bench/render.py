@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from qspec.bench.plan import HF_GREEDY
+from qspec.bench.plan import QSPEC, TRANSFORMERS
 from qspec.bench.report import BenchReport
 from qspec.errors import ConfigError
 
@@ -56,11 +56,12 @@ def _equality(report: BenchReport) -> list[str]:
     lines = ["", "## Greedy outputs", ""]
     lines.append(f"Every speculative configuration's greedy output is **{verdict}** to `none`'s at the same batch size.")
     rows = [
-        [c.config, c.reference, c.kind, f"{c.equal}/{c.total}",
+        [c.config, c.reference, c.kind, f"{c.equal}/{c.total}", f"{c.mean_common_prefix:.3f}",
          ", ".join(f"{m.request}@{m.first_difference_at}" for m in c.mismatches[:5]) or "–"]
         for c in equality.checks
     ]
-    lines += [""] + _table(["config", "reference", "kind", "equal", "first mismatches (request@token)"], rows)
+    header = ["config", "reference", "kind", "equal", "common prefix (mean)", "first mismatches (request@token)"]
+    lines += [""] + _table(header, rows)
     targets = [[t.target, t.goal, t.measured, t.status] for t in report.targets]
     return lines + ["", "## Targets", ""] + _table(["target", "goal", "measured", "status"], targets)
 
@@ -128,9 +129,41 @@ def _memory(report: BenchReport) -> list[str]:
     return lines
 
 
+def _peers(report: BenchReport) -> list[str]:
+    """The peer runtimes against qspec at batch 1, what they built, and what did not run."""
+    peers = [s for s in report.configs if s.backend not in (QSPEC, TRANSFORMERS)]
+    lines: list[str] = []
+    if peers:
+        none = report.config("none@1")
+        agreement = {c.config: c for c in report.equality.checks}
+        lines += ["", "## Peers (batch 1)", "",
+                  "Same prompt token ids, token budget and EOS ids as qspec; greedy. Agreement: outputs equal to "
+                  "qspec `none`'s, and the mean share of the longer output before the first difference "
+                  "(exact equality is not expected across runtimes: kernels sum in other orders).", ""]
+        rows = []
+        for s in peers:
+            o, check = s.overall, agreement.get(s.key)
+            versus = o.output_tokens_per_s / none.overall.output_tokens_per_s if none and none.overall.output_tokens_per_s else None
+            rows.append([s.key, o.output_tokens_per_s, _fmt(versus, 3), o.ttft_ms_median, o.tpot_ms_median,
+                         o.mean_accepted_tokens, o.acceptance_rate,
+                         f"{check.equal}/{check.total}" if check else "–", _fmt(check.mean_common_prefix, 3) if check else "–"])
+        header = ["config@batch", "out tok/s", "tok/s x qspec none", "TTFT ms (median)", "TPOT ms (median)",
+                  "tokens/call", "acceptance", "equal to none", "common prefix (mean)"]
+        lines += _table(header, rows)
+    builds = [(backend, b) for backend, info in report.meta.runners.items() for b in info.builds]
+    if builds:
+        lines += ["", "Model files the peers run (a cached one shows the time it took when it was built):", ""]
+        lines += _table(["backend", "what", "build s", "cached", "MB", "command"],
+                        [[backend, b.what, b.build_s, "yes" if b.cached else "no", _fmt(b.size_mb, 0), f"`{b.command}`"]
+                         for backend, b in builds])
+    if report.meta.skipped:
+        lines += ["", "## Skipped", ""] + [f"- {s.what}: {s.why}" for s in report.meta.skipped]
+    return lines
+
+
 def render_markdown(report: BenchReport) -> str:
     """``report.md``: the tables of the report."""
-    lines = _header(report) + _equality(report) + _configs(report)
+    lines = _header(report) + _equality(report) + _configs(report) + _peers(report)
     for batch in report.meta.options.batch_sizes:
         lines += _categories(report, batch)
     return "\n".join(lines + _micro(report) + _memory(report)) + "\n"
@@ -143,14 +176,14 @@ def plot_throughput(report: BenchReport, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    lines: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    lines: dict[tuple[str, str], list[tuple[int, float]]] = defaultdict(list)
     for s in report.configs:
-        lines[s.name].append((s.batch, s.overall.requests_per_s))
+        lines[(s.name, s.backend)].append((s.batch, s.overall.requests_per_s))
     figure, axes = plt.subplots(figsize=(7, 4.5))
-    for name, points in lines.items():
+    for (name, backend), points in lines.items():
         points.sort()
         xs, ys = zip(*points)
-        style = "s--" if name.startswith(HF_GREEDY) else "o-"
+        style = "o-" if backend == QSPEC else ("s" if backend == TRANSFORMERS else "^")  # baselines, peers: points
         axes.plot(xs, ys, style, label=name)
     batches = sorted({s.batch for s in report.configs})
     axes.set_xscale("log", base=2)

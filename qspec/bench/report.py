@@ -134,6 +134,8 @@ class OutputComparison(ReportModel):
     equal: int
     total: int
     mismatches: list[Mismatch]
+    # Mean over requests of (common prefix length / the longer output's length); 1.0 when all are equal.
+    mean_common_prefix: float = 1.0
 
 
 class EqualityCheck(OutputComparison):
@@ -166,12 +168,31 @@ class MachineInfo(ReportModel):
     other_processes_cpu_share: float
 
 
+class PeerBuild(ReportModel):
+    """A model file set a peer runs (a builder's graph, a converted folder): how it was made, how long it took."""
+
+    what: str  # "ort-genai int4", "hf folder"
+    folder: str
+    build_s: float  # the wall time when it was built (a cached build keeps its own)
+    cached: bool  # True: reused from an earlier run
+    size_mb: float
+    command: str
+
+
+class Skipped(ReportModel):
+    """A part of the run that did not run, and why (a peer not installed, no .gguf, a failed build)."""
+
+    what: str
+    why: str
+
+
 class RunnerInfo(ReportModel):
     """What a runtime outside qspec's engine (transformers, a peer) says about itself when loaded."""
 
     versions: dict[str, str]
     load_s: float | None = None
     threads: int | None = None
+    builds: list[PeerBuild] = []  # what a peer built (or found cached) before loading
 
 
 class Meta(ReportModel):
@@ -186,6 +207,7 @@ class Meta(ReportModel):
     machine: MachineInfo
     runners: dict[str, RunnerInfo]  # backend name -> info, for every backend but qspec
     notes: list[str]
+    skipped: list[Skipped] = []
 
 
 class BenchReport(ReportModel):

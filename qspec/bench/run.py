@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import psutil
 
@@ -21,7 +21,9 @@ from qspec.bench.micro import micro_benchmark
 from qspec.bench.options import BenchOptions, quick_options
 from qspec.bench.packages import Packages, ResolvedModel, compile_packages, resolve_model
 from qspec.bench.plan import TRANSFORMERS, Progress, RunConfig, Steps, plan_configs, rotated, rounds
-from qspec.bench.report import BenchReport, MachineInfo, MemoryReport, Meta, MicroReport, RunnerInfo
+from qspec.bench.peer_models import PeerUnavailable
+from qspec.bench.peers import PeerPlan, plan_peers
+from qspec.bench.report import BenchReport, MachineInfo, MemoryReport, Meta, MicroReport, RunnerInfo, Skipped
 from qspec.bench.runners import QspecRunner, Runner, TransformersRunner
 from qspec.bench.targets import evaluate_targets
 from qspec.errors import ConfigError
@@ -38,6 +40,7 @@ class BenchPlan:
     resolved: ResolvedModel
     configs: list[RunConfig]
     prompts: list[PromptRecord]
+    peers: PeerPlan
 
     @property
     def options(self) -> BenchOptions:
@@ -48,11 +51,19 @@ def make_plan(model: str, options: BenchOptions) -> BenchPlan:
     """Resolve the model, plan the configurations, read the prompts; bad input fails here, before work."""
     resolved = resolve_model(model, options)
     options = resolved.options
-    configs = plan_configs(options, draft_slots=resolved.draft_slots)
+    peers = plan_peers(resolved.source, options)
+    configs = plan_configs(options, draft_slots=resolved.draft_slots) + peers.configs
     prompts = load_prompts(options.prompts or default_prompts_path(), per_category=options.per_category)
     if options.turns == 2 and not any(len(p.turns) >= 2 for p in prompts):
         raise ConfigError("turns=2 needs prompts with two turns (MT-bench's \"turns\"); these have one")
-    return BenchPlan(model, resolved, configs, prompts)
+    return BenchPlan(model, resolved, configs, prompts, peers)
+
+
+def round_count(plan: BenchPlan) -> int:
+    """Rounds each configuration runs: turn 1's, plus the follow-ups' with ``turns=2``."""
+    options = plan.options
+    turn2 = sum(1 for p in plan.prompts if len(p.turns) >= 2) if options.turns == 2 else 0
+    return len(rounds(len(plan.prompts), options.round_size)) + len(rounds(turn2, options.round_size))
 
 
 def count_units(plan: BenchPlan) -> int:
@@ -60,27 +71,47 @@ def count_units(plan: BenchPlan) -> int:
     options = plan.options
     qspec_configs = [c for c in plan.configs if not c.baseline]
     packages = len(options.batch_sizes) + (1 if options.memory and plan.resolved.given is None else 0)
-    turn2 = sum(1 for p in plan.prompts if len(p.turns) >= 2) if options.turns == 2 else 0
-    round_count = len(rounds(len(plan.prompts), options.round_size)) + len(rounds(turn2, options.round_size))
     return (
         packages
         + len(options.batch_sizes)  # load
         + len({c.backend for c in plan.configs if c.baseline})  # baseline loads
         + (len(options.batch_sizes) if options.micro_iterations else 0)
-        + round_count * len(plan.configs)
+        + round_count(plan) * len(plan.configs)
         + ((len(qspec_configs) + 1) if options.memory else 0)
         + 1  # summaries
     )
 
 
 def baseline_runners(plan: BenchPlan, eos_token_ids: list[int]) -> list[Runner]:
-    """A runner for every baseline backend the plan holds (a peer runtime adds its own here)."""
+    """A runner for every baseline backend the plan holds: transformers, then the peers (:mod:`.peers`)."""
     backends = {c.backend for c in plan.configs if c.baseline}
     runners: list[Runner] = []
     if TRANSFORMERS in backends:
         runners.append(TransformersRunner(plan.resolved.source, num_threads=plan.options.num_threads,
                                           eos_token_ids=eos_token_ids))
-    return runners
+    return runners + plan.peers.runners(plan.options, eos_token_ids)
+
+
+def start_baselines(plan: BenchPlan, baselines: list[Runner], steps: Steps) -> tuple[BenchPlan, dict, list[Skipped]]:
+    """Start every baseline runner; a peer that cannot run leaves the plan, with the reason.
+
+    Returns the plan without the configurations of the peers that dropped out, the runners' info
+    by backend, and what was skipped. A failing transformers baseline is still an error.
+    """
+    info, skipped, dropped = {}, [], set()
+    for runner in baselines:
+        try:
+            info[runner.backend] = runner.start(steps)
+        except PeerUnavailable as exc:
+            runner.close()
+            dropped.add(runner.backend)
+            skipped.append(Skipped(what=f"{runner.backend} ({', '.join(c.name for c in runner.configs)})", why=str(exc)))
+            steps.step(f"skipped {runner.backend}: {exc}")
+    if dropped:
+        kept = [c for c in plan.configs if c.backend not in dropped]
+        steps.total -= round_count(plan) * (len(plan.configs) - len(kept))
+        plan = replace(plan, configs=kept)
+    return plan, info, skipped
 
 
 def run_micro(models: dict, iterations: int, steps: Steps) -> MicroReport | None:
@@ -159,6 +190,7 @@ class Measured:
     memory: MemoryReport | None
     runner_info: dict[str, RunnerInfo]
     baseline_peaks: dict[str, float | None]  # backend -> peak RSS MB of its process
+    skipped: list[Skipped]  # peers that could not start
 
 
 def _measure(plan: BenchPlan, packages: Packages, steps: Steps, laps: Laps) -> Measured:
@@ -169,7 +201,8 @@ def _measure(plan: BenchPlan, packages: Packages, steps: Steps, laps: Laps) -> M
     qspec.start(steps)
     baselines = baseline_runners(plan, sorted(qspec.first_engine.eos_token_ids))
     try:
-        info = {r.backend: r.start(steps) for r in baselines}
+        plan, info, skipped = start_baselines(plan, baselines, steps)
+        baselines = [r for r in baselines if r.backend in info]
         laps.lap("load_s")
         micro = run_micro(qspec.models, options.micro_iterations, steps)
         laps.lap("micro_s")
@@ -190,7 +223,7 @@ def _measure(plan: BenchPlan, packages: Packages, steps: Steps, laps: Laps) -> M
                             draft_package=options.draft_package, steps=steps)
     laps.lap("memory_s")
     runner_info = {backend: i for backend, i in info.items() if i is not None}
-    return Measured(collected, micro, memory, runner_info, peaks)
+    return Measured(collected, micro, memory, runner_info, peaks, skipped)
 
 
 def _peak_rss(config: RunConfig, measured: Measured) -> float | None:
@@ -225,6 +258,7 @@ def build_report(plan: BenchPlan, packages: Packages, measured: Measured, *, sta
         machine=machine_info(other_cpu),
         runners=measured.runner_info,
         notes=notes,
+        skipped=plan.peers.skipped + measured.skipped,
     )
     return BenchReport(
         meta=meta,
@@ -250,6 +284,8 @@ def run_bench(
     meter = CpuMeter()
     plan = make_plan(str(model), options or quick_options())
     steps = Steps(progress, count_units(plan))
+    for skipped in plan.peers.skipped:
+        steps.say(f"skipping {skipped.what}: {skipped.why}")
     laps = Laps()
     packages = compile_packages(plan.model, plan.resolved, steps)
     laps.lap("compile_s")

@@ -1,4 +1,4 @@
-"""Child processes of a bench run: the memory probes and the transformers baseline.
+"""Child processes of a bench run: the memory probes, the transformers baseline, the peers (:mod:`.peer_workers`).
 
 Each runs in a clean interpreter (a plain subprocess; messages over a socket), so torch's memory and
 threads never sit in the engine's process and a probe's RSS is its configuration's alone.
@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from qspec.bench.machine import peak_rss_mb, rss_mb
+from qspec.bench.peer_workers import hf_folder_main, llama_cpp_main, ort_genai_main
 from qspec.bench.plan import HF_LOOKUP_TOKENS
 from qspec.errors import QSpecError
 
@@ -193,4 +194,10 @@ def transformers_main(conn, model_ref: str, num_threads: int, eos_token_ids: lis
         conn.close()
 
 
-TARGETS = {"probe": probe_main, "transformers": transformers_main}
+TARGETS = {
+    "probe": probe_main,
+    "transformers": transformers_main,
+    "ort_genai": ort_genai_main,
+    "llama_cpp": llama_cpp_main,
+    "peer_hf_folder": hf_folder_main,
+}
