@@ -34,6 +34,8 @@ from qspec.export.wrapper import adapter_for
 
 EXPORT_META = "export.json"
 OPSET = 18
+# Bump when the exporter writes a different graph for the same model and options: old exports are stale.
+EXPORT_FORMAT = 2
 
 Progress = Callable[[str], None]
 
@@ -60,6 +62,7 @@ class ExportMeta(BaseModel):
     model: ModelInfo
     versions: dict[str, str]
     export_seconds: float
+    phase_seconds: dict[str, float] = Field(default_factory=dict)  # load, trace, compose, save, check
     onnx_bytes: int
     data_bytes: int
 
@@ -74,7 +77,7 @@ def export_key(digest: str, options: ExportOptions) -> str:
     import transformers
 
     versions = f"qspec={__version__};torch={torch.__version__};transformers={transformers.__version__}"
-    payload = f"{digest}|{options.model_dump_json()}|{versions}|opset={OPSET}"
+    payload = f"{digest}|{options.model_dump_json()}|{versions}|opset={OPSET}|format={EXPORT_FORMAT}"
     return hashlib.sha256(payload.encode()).hexdigest()[:24]
 
 
@@ -129,12 +132,14 @@ def _export_into(folder: Path, source: ModelSource, digest: str, key: str, optio
     if options.num_layers is not None:
         _truncate_layers(model, options.num_layers)
     info = _model_info(model, tokenizer)
-    say(f"tracing {info.num_layers} layers to ONNX (opset {OPSET})")
-    trace_to_onnx(model, folder / ONNX_FILE, options, info)
+    phases = {"load": round(time.perf_counter() - start, 2)}
+    phases |= trace_to_onnx(model, folder / ONNX_FILE, options, info, say)
     say("checking the ONNX graph")
+    begin = time.perf_counter()
     check_graph(folder / ONNX_FILE, info.num_layers, options)
     say("saving the tokenizer")
     tokenizer.save_pretrained(folder / TOKENIZER_DIR)
+    phases["check"] = round(time.perf_counter() - begin, 2)
     meta = ExportMeta(
         source=source.ref,
         digest=digest,
@@ -143,6 +148,7 @@ def _export_into(folder: Path, source: ModelSource, digest: str, key: str, optio
         model=info,
         versions={"qspec": __version__, "torch": torch.__version__, "transformers": transformers.__version__},
         export_seconds=round(time.perf_counter() - start, 2),
+        phase_seconds=phases,
         onnx_bytes=(folder / ONNX_FILE).stat().st_size,
         data_bytes=sum(p.stat().st_size for p in folder.glob(ONNX_FILE + ".data")),
     )
@@ -179,59 +185,34 @@ def _model_info(model, tokenizer) -> ModelInfo:
     )
 
 
-def example_inputs(info: ModelInfo, options: ExportOptions):
-    """Example tensors and dynamic shapes for tracing; sizes are distinct so no dimension specializes."""
-    import torch
-    from torch.export import Dim
+def trace_to_onnx(model, path: Path, options: ExportOptions, info: ModelInfo, say: Progress) -> dict[str, float]:
+    """Trace the KV-explicit wrapper piece by piece and write the chained graph; returns phase seconds.
 
-    batch, seq, ctx, keep, full_batch = 2, 3, 16, 2, 3
-    kv_rows = full_batch if options.continuous_batching else batch
-    batch_dim = Dim(contract.BATCH_SIZE, min=1)
-    seq_dim = Dim(contract.SEQ_LEN, min=1)
-    ctx_dim = Dim(contract.CTX_LEN, min=2)
-    rows_dim = Dim(contract.FULL_BATCH_SIZE, min=1) if options.continuous_batching else batch_dim
-    args = [torch.zeros(batch, seq, dtype=torch.int64), torch.arange(seq).repeat(batch, 1)]
-    shapes = [{0: batch_dim, 1: seq_dim}, {0: batch_dim, 1: seq_dim}]
-    rest, rest_shapes = [], []
-    if options.continuous_batching:
-        rest.append(torch.tensor([[2], [0]], dtype=torch.int64))
-        rest_shapes.append({0: batch_dim})
-    if options.speculative:
-        rest.append(torch.zeros(keep, 1, dtype=torch.int64))
-        rest_shapes.append({0: Dim(contract.NUM_LOGITS_TO_KEEP, min=1)})
-    for _ in range(2 * info.num_layers):
-        rest.append(torch.zeros(kv_rows, info.num_kv_heads, ctx, info.head_dim))
-        rest_shapes.append({0: rows_dim, 2: ctx_dim})
-    return (*args, *rest), (*shapes, tuple(rest_shapes))
-
-
-def trace_to_onnx(model, path: Path, options: ExportOptions, info: ModelInfo) -> None:
-    """Trace the KV-explicit wrapper with the dynamo exporter; weights go to ``<path>.data``."""
+    Weights go to ``<path>.data``. See :mod:`qspec.export.trace` for why pieces.
+    """
     import torch
 
+    from qspec.export import trace
     from qspec.export.wrapper import KVExplicitLM
 
     wrapper = KVExplicitLM(
         model, continuous_batching=options.continuous_batching, speculative=options.speculative
     ).eval()
-    args, shapes = example_inputs(info, options)
+    times = trace.TraceTimes()
     with _quiet(), torch.no_grad():
         try:
-            program = torch.onnx.export(
-                wrapper,
-                args,
-                input_names=contract.input_names(
-                    info.num_layers, continuous_batching=options.continuous_batching, speculative=options.speculative
-                ),
-                output_names=contract.output_names(info.num_layers),
-                dynamic_shapes=shapes,
-                dynamo=True,
-                opset_version=OPSET,
-                verbose=False,
-            )
+            pieces = trace.trace_pieces(wrapper, info, options, times, say)
         except Exception as exc:  # the exporter's own errors are long; keep the first line
             raise QSpecError(f"ONNX export failed: {str(exc).strip().splitlines()[0]}") from exc
-        program.save(str(path), external_data=True)
+        say(f"chaining {info.num_layers} layers into one graph")
+        begin = time.perf_counter()
+        graph = trace.compose(wrapper, pieces, options)
+        times.add("compose", time.perf_counter() - begin)
+        say("writing the graph and weights")
+        begin = time.perf_counter()
+        trace.save(graph, path)
+        times.add("save", time.perf_counter() - begin)
+    return times.phases
 
 
 def expected_dims(num_layers: int, options: ExportOptions, vocab_size: int) -> dict[str, list]:

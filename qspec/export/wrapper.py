@@ -114,36 +114,56 @@ class KVExplicitLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *rest: torch.Tensor):
         rest = list(rest)
         batch_index = rest.pop(0) if self.continuous_batching else None  # [batch, 1]
-        num_logits = rest.pop(0).shape[0] if self.speculative else 1
+        num_logits = rest.pop(0) if self.speculative else None  # [num_logits_to_keep, 1]
         assert len(rest) == 2 * self.num_layers, f"expected {2 * self.num_layers} KV inputs, got {len(rest)}"
+        hidden, *shared = self.prologue(input_ids, position_ids)
+        new_kv = []
+        for i in range(self.num_layers):
+            hidden, keys, values = self.layer_step(i, hidden, *shared, batch_index, rest[2 * i], rest[2 * i + 1])
+            new_kv.extend((keys, values))
+        return (self.epilogue(hidden, shared[-1], num_logits), *new_kv)
 
-        batch, seq = input_ids.shape
+    # The three pieces below are the whole computation. `forward` chains them; the exporter traces
+    # each piece once (one layer per distinct layer signature) and chains the traced graphs.
+
+    def prologue(self, input_ids: torch.Tensor, position_ids: torch.Tensor):
+        """Embeddings and what every layer shares: ``hidden, cos, sin, query_pos, slots, valid``."""
+        seq = input_ids.shape[1]
         valid = position_ids >= 0  # [batch, seq]
         steps = torch.arange(seq, dtype=torch.int64)
-        key_pos = torch.arange(rest[0].shape[2], dtype=torch.int64)  # [ctx_len]
-        slots = _write_slots(position_ids, valid, steps, key_pos[-1:] + 1)  # [batch, seq]
         query_pos = torch.where(valid, position_ids, torch.zeros_like(position_ids))
         cos, sin = self._rope_tables(query_pos)  # [batch, 1, seq, head_dim]
-
         hidden = self.model.model.embed_tokens(input_ids)  # [batch, seq, hidden]
-        new_kv = []
-        for i, layer in enumerate(self.layers):
-            mask = _visible(query_pos, key_pos, self.windows[i])  # [batch, 1, 1, seq, ctx]
-            kv = (rest[2 * i], rest[2 * i + 1])
-            residual = hidden
-            attn_out, kv = self._attention(
-                layer, layer.input_layernorm(hidden), cos, sin, mask, kv, slots, valid, batch_index
-            )
-            hidden = residual + attn_out
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-            new_kv.extend(kv)
+        return hidden, cos, sin, query_pos, _write_anchor(position_ids, valid, steps), valid
 
-        # Logits of the last `num_logits` real tokens of each row (right-padded rows).
+    def layer_step(self, i: int, hidden, cos, sin, query_pos, anchor, valid, batch_index, past_key, past_value):
+        """Decoder layer ``i`` over the static KV buffers; returns ``hidden, keys', values'``."""
+        layer = self.layers[i]
+        key_pos = torch.arange(past_key.shape[2], dtype=torch.int64)  # [ctx_len]
+        steps = torch.arange(hidden.shape[1], dtype=torch.int64)
+        ctx_len = key_pos[-1:] + 1  # a tensor: the exporter cannot take a remainder by a symbolic int
+        slots = torch.where(valid, query_pos, torch.remainder(anchor + steps, ctx_len))  # [batch, seq]
+        mask = _visible(query_pos, key_pos, self.windows[i])  # [batch, 1, 1, seq, ctx]
+        attn_out, (keys, values) = self._attention(
+            layer, layer.input_layernorm(hidden), cos, sin, mask, (past_key, past_value), slots, valid, batch_index
+        )
+        hidden = hidden + attn_out
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return hidden, keys, values
+
+    def epilogue(self, hidden, valid, num_logits_to_keep):
+        """Logits of the last ``num_logits_to_keep`` real tokens of each (right-padded) row."""
+        batch, seq, width = hidden.shape
+        num_logits = num_logits_to_keep.shape[0] if num_logits_to_keep is not None else 1
+        steps = torch.arange(seq, dtype=torch.int64)
         last = (valid.to(torch.int64) * steps).amax(dim=1, keepdim=True)  # [batch, 1]
         keep = (last - (num_logits - 1) + torch.arange(num_logits, dtype=torch.int64)).clamp(min=0)
-        picked = hidden.gather(1, keep.unsqueeze(-1).expand(batch, num_logits, hidden.shape[-1]))
-        logits = self.model.lm_head(self.model.model.norm(picked)).float()  # [batch, keep, vocab]
-        return (logits, *new_kv)
+        picked = hidden.gather(1, keep.unsqueeze(-1).expand(batch, num_logits, width))
+        return self.model.lm_head(self.model.model.norm(picked)).float()  # [batch, keep, vocab]
+
+    def layer_signature(self, i: int) -> tuple:
+        """Layers with equal signatures trace to the same graph (only their weights differ)."""
+        return (self.windows[i],)
 
     def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.unsqueeze(-1).float() * self.inv_freq  # [batch, seq, head_dim / 2]
@@ -178,19 +198,18 @@ class KVExplicitLM(nn.Module):
         return attn.o_proj(out), (new_keys, new_values)
 
 
-def _write_slots(position_ids, valid, steps, ctx_len: torch.Tensor):
-    """Slot each token writes: its position if live; for padding a slot no live token of the row writes.
+def _write_anchor(position_ids, valid, steps):
+    """Virtual position of step 0 of each row, from which padding steps take their slots.
 
     Live tokens of a row sit at consecutive positions ``p0 .. p0 + n - 1`` from step ``s0``; padding at
-    step ``s`` takes the virtual position ``p0 - s0 + s`` modulo ``ctx_len``. Those ``seq <= ctx_len``
-    virtual positions are distinct, so padding never lands on a slot a live token writes. Example,
-    ctx 8, positions ``[6, 7, -1]`` -> slots ``[6, 7, 0]``; positions ``[-1, -1]`` -> ``[0, 1]``.
+    step ``s`` takes the virtual position ``p0 - s0 + s`` modulo ``ctx_len``, so the anchor is
+    ``p0 - s0`` (0 for a row with no live token). Those ``seq <= ctx_len`` virtual positions are
+    distinct, so padding never lands on a slot a live token writes. Example, ctx 8, positions
+    ``[6, 7, -1]`` -> anchor 6, slots ``[6, 7, 0]``; positions ``[-1, -1]`` -> anchor 0, slots ``[0, 1]``.
     """
     offset = torch.where(valid, position_ids - steps, torch.full_like(position_ids, -(2**62)))
     anchor = offset.amax(dim=1, keepdim=True)  # [batch, 1]
-    anchor = torch.where(anchor < 0, torch.zeros_like(anchor), anchor)
-    virtual = torch.remainder(anchor + steps, ctx_len)
-    return torch.where(valid, position_ids, virtual)
+    return torch.where(anchor < 0, torch.zeros_like(anchor), anchor)
 
 
 def _write(buffer, new, slots, valid, batch_index):
