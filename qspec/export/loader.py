@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import functools
 import hashlib
 import os
 from dataclasses import dataclass
@@ -74,24 +77,68 @@ def load_model(source: ModelSource):
     hf_logging.disable_progress_bar()
     where = str(source.folder) if source.is_local else source.ref
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
-    try:
-        config = AutoConfig.from_pretrained(where, **kwargs)
-    except (OSError, ValueError) as exc:
-        config = None  # reported below, by the model load, with the same wording
-    if config is not None:
-        adapter_for(config)  # an unsupported family fails before the weights are read
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **kwargs)
-    except (OSError, ValueError) as exc:
-        if not source.is_local:
-            raise ModelLoadError(
-                f"could not load '{source.ref}' from the hub (offline or unknown id?); "
-                f"give a local model folder or a .gguf file instead ({_first_line(exc)})"
-            ) from exc
-        raise ModelLoadError(f"could not load model from '{where}': {_first_line(exc)}") from exc
+    with _gguf_read_once() if source.gguf_file else contextlib.nullcontext():
+        try:
+            config = AutoConfig.from_pretrained(where, **kwargs)
+        except (OSError, ValueError):
+            config = None  # reported below, by the model load, with the same wording
+        if config is not None:
+            adapter_for(config)  # an unsupported family fails before the weights are read
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **kwargs)
+        except (OSError, ValueError) as exc:
+            if not source.is_local:
+                raise ModelLoadError(
+                    f"could not load '{source.ref}' from the hub (offline or unknown id?); "
+                    f"give a local model folder or a .gguf file instead ({_first_line(exc)})"
+                ) from exc
+            raise ModelLoadError(f"could not load model from '{where}': {_first_line(exc)}") from exc
     _drop_quantizer(model)
     return model.eval(), tokenizer
+
+
+@contextlib.contextmanager
+def _gguf_read_once():
+    """Parse a GGUF file once per load, not four times.
+
+    transformers reads the file for the config (twice), the tokenizer and the weights, and parsing
+    its metadata (49k vocabulary strings, one numpy view each) dominates the load; it also rebuilds
+    gguf's tensor-name table for every tensor. Those are pure functions of their arguments, so they
+    are memoized for the duration of the load (metadata handed out as deep copies, callers mutate
+    it), and its progress bar is off. Where the names this expects are missing, it does nothing.
+    """
+    import gguf
+    import transformers.modeling_gguf_pytorch_utils as hf_gguf
+
+    originals = (gguf.GGUFReader, gguf.get_tensor_name_map, hf_gguf.load_gguf_checkpoint, hf_gguf.tqdm)
+    if not all(callable(f) for f in originals):
+        yield
+        return
+    reader, name_map, checkpoint, bar = originals
+    readers: dict[tuple, object] = {}
+    metadata: dict[str, dict] = {}
+
+    def read(path, mode="r"):
+        key = (str(path), mode)
+        if key not in readers:
+            readers[key] = reader(path, mode)
+        return readers[key]
+
+    def load_checkpoint(path, return_tensors=False, *args, **kwargs):
+        if return_tensors:
+            return checkpoint(path, return_tensors, *args, **kwargs)
+        if str(path) not in metadata:
+            metadata[str(path)] = checkpoint(path, False, *args, **kwargs)
+        return copy.deepcopy(metadata[str(path)])
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = read, functools.lru_cache(maxsize=None)(name_map)
+    hf_gguf.load_gguf_checkpoint = load_checkpoint
+    hf_gguf.tqdm = functools.partial(bar, disable=True)  # its bar would break qspec's progress line
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map, hf_gguf.load_gguf_checkpoint, hf_gguf.tqdm = originals
 
 
 def _drop_quantizer(model) -> None:
