@@ -62,7 +62,7 @@ class ExportMeta(BaseModel):
     model: ModelInfo
     versions: dict[str, str]
     export_seconds: float
-    phase_seconds: dict[str, float] = Field(default_factory=dict)  # load, trace, compose, save, check
+    phase_seconds: dict[str, float] = Field(default_factory=dict)  # load, trace, optimize, compose, save, check
     onnx_bytes: int
     data_bytes: int
 

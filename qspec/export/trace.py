@@ -39,33 +39,33 @@ LAYER_IN = ("hidden", *SHARED)
 LAYER_OUT = ("hidden_out", "keys", "values")
 
 
-class _Prologue(nn.Module):
-    def __init__(self, lm: nn.Module):
+@dataclass
+class PieceSpec:
+    """One piece to trace: its example inputs (distinct sizes and dims of its own) and output names."""
+
+    name: str
+    run: Callable[..., tuple]
+    inputs: list[str]
+    examples: list[torch.Tensor]
+    shapes: list[dict]
+    outputs: list[str]
+
+
+class _SideBySide(nn.Module):
+    """Every piece on inputs of its own, so one ``torch.onnx.export`` call traces them all."""
+
+    def __init__(self, lm: nn.Module, specs: list[PieceSpec]):
         super().__init__()
         self.lm = lm
+        self.specs = specs
 
-    def forward(self, input_ids, position_ids):
-        return self.lm.prologue(input_ids, position_ids)
-
-
-class _Layer(nn.Module):
-    def __init__(self, lm: nn.Module, index: int):
-        super().__init__()
-        self.lm = lm
-        self.index = index
-
-    def forward(self, hidden, cos, sin, query_pos, anchor, valid, *rest):
-        batch_index = rest[0] if self.lm.continuous_batching else None
-        return self.lm.layer_step(self.index, hidden, cos, sin, query_pos, anchor, valid, batch_index, *rest[-2:])
-
-
-class _Epilogue(nn.Module):
-    def __init__(self, lm: nn.Module):
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, hidden, valid, *rest):
-        return self.lm.epilogue(hidden, valid, rest[0] if self.lm.speculative else None)
+    def forward(self, *args):
+        outputs, at = [], 0
+        for spec in self.specs:
+            result = spec.run(*args[at : at + len(spec.inputs)])
+            outputs.extend(result if isinstance(result, tuple) else (result,))
+            at += len(spec.inputs)
+        return tuple(outputs)
 
 
 @dataclass
@@ -75,7 +75,6 @@ class Piece:
     function: object  # onnx_ir.Function
     activations: list[str]
     weights: list[torch.Tensor]  # the traced module's tensors, in parameter order
-    seconds: float = 0.0
 
 
 @dataclass
@@ -88,54 +87,98 @@ class TraceTimes:
         self.phases[name] = round(self.phases.get(name, 0.0) + seconds, 2)
 
 
-def _dims(options) -> dict[str, object]:
+def piece_specs(lm: nn.Module, info, options) -> list[PieceSpec]:
+    """Prologue, one layer per distinct signature, epilogue.
+
+    Each piece gets example sizes and symbolic dimensions of its own, so the tracer relates nothing
+    across pieces and each piece's graph depends on its own inputs only.
+    """
     from torch.export import Dim
 
-    batch = Dim(contract.BATCH_SIZE, min=1)
-    return {
-        "batch": batch,
-        "seq": Dim(contract.SEQ_LEN, min=1),
-        "ctx": Dim(contract.CTX_LEN, min=2),
-        "rows": Dim(contract.FULL_BATCH_SIZE, min=1) if options.continuous_batching else batch,
-        "keep": Dim(contract.NUM_LOGITS_TO_KEEP, min=1),
-    }
+    def dims(tag: str, batch: int, seq: int):
+        return Dim(f"batch_{tag}", min=1), Dim(f"seq_{tag}", min=1), torch.zeros(batch, seq, dtype=torch.int64)
+
+    specs = []
+    b, s, ids = dims("prologue", 2, 3)
+    specs.append(
+        PieceSpec(
+            "prologue",
+            lm.prologue,
+            [contract.INPUT_IDS, contract.POSITION_IDS],
+            [ids, torch.arange(3).repeat(2, 1)],
+            [{0: b, 1: s}, {0: b, 1: s}],
+            ["hidden", *SHARED],
+        )
+    )
+    for j, index in enumerate(representative_layers(lm)):
+        batch, seq, ctx, rows = 4 + 2 * j, 5 + 2 * j, 19 + 2 * j, 11 + 2 * j
+        b, s, ids = dims(f"layer{j}", batch, seq)
+        with torch.no_grad():
+            hidden, *shared = lm.prologue(ids, torch.arange(seq).repeat(batch, 1))
+        rows_dim = Dim(f"rows_layer{j}", min=1) if options.continuous_batching else b
+        kv = torch.zeros(rows if options.continuous_batching else batch, info.num_kv_heads, ctx, info.head_dim)
+        kv_shape = {0: rows_dim, 2: Dim(f"ctx_layer{j}", min=2)}
+        names, examples = [*LAYER_IN], [hidden, *shared]
+        shapes = [{0: b, 1: s}, {0: b, 2: s}, {0: b, 2: s}, {0: b, 1: s}, {0: b}, {0: b, 1: s}]
+        if options.continuous_batching:
+            names.append(contract.BATCH_INDEX)
+            examples.append(torch.arange(batch, dtype=torch.int64)[:, None] * 2 % rows)
+            shapes.append({0: b})
+        names += ["past_key", "past_value"]
+        examples += [kv, kv.clone()]
+        shapes += [kv_shape, kv_shape]
+        specs.append(PieceSpec(layer_function_name(lm, index), _layer_call(lm, index, options), names, examples, shapes, list(LAYER_OUT)))
+    b, s, ids = dims("epilogue", 6, 7)
+    names, examples, shapes = ["hidden", "valid"], [torch.zeros(6, 7, lm.config.hidden_size), ids >= 0], [{0: b, 1: s}, {0: b, 1: s}]
+    if options.speculative:
+        names.append(contract.NUM_LOGITS_TO_KEEP)
+        examples.append(torch.zeros(2, 1, dtype=torch.int64))
+        shapes.append({0: Dim("keep_epilogue", min=1)})
+    run = lm.epilogue if options.speculative else (lambda hidden, valid: lm.epilogue(hidden, valid, None))
+    specs.append(PieceSpec("epilogue", run, names, examples, shapes, [contract.LOGITS]))
+    return specs
 
 
-def _examples(lm: nn.Module, info, options):
-    """Example tensors of every piece's inputs; sizes are distinct so no dimension specializes."""
-    batch, seq, ctx, keep, full_batch = 2, 3, 16, 2, 3
-    rows = full_batch if options.continuous_batching else batch
-    ids = torch.zeros(batch, seq, dtype=torch.int64)
-    pos = torch.arange(seq).repeat(batch, 1)
-    with torch.no_grad():
-        shared = lm.prologue(ids, pos)
-    kv = torch.zeros(rows, info.num_kv_heads, ctx, info.head_dim)
-    return {
-        "ids": ids,
-        "pos": pos,
-        "shared": shared,
-        "batch_index": torch.tensor([[2], [0]], dtype=torch.int64),
-        "keep": torch.zeros(keep, 1, dtype=torch.int64),
-        "kv": kv,
-    }
+def _layer_call(lm: nn.Module, index: int, options) -> Callable[..., tuple]:
+    def call(hidden, cos, sin, query_pos, anchor, valid, *rest):
+        batch_index = rest[0] if options.continuous_batching else None
+        return lm.layer_step(index, hidden, cos, sin, query_pos, anchor, valid, batch_index, *rest[-2:])
+
+    return call
 
 
-def _trace(module: nn.Module, args: tuple, shapes: tuple, inputs: Sequence[str], outputs: Sequence[str]):
-    """``torch.onnx.export`` (dynamo, no whole-graph optimizer) of one small piece; returns its ir.Model."""
+def trace_pieces(lm: nn.Module, info, options, times: TraceTimes, say: Progress) -> dict[str, Piece]:
+    """Trace every piece in one export call, then cut the graph into one function per piece."""
+    import onnxscript.optimizer
+
     from qspec.export.exporter import OPSET
 
+    specs = piece_specs(lm, info, options)
+    module = _SideBySide(lm, specs)
+    say(f"tracing {', '.join(spec.name for spec in specs)}")
+    begin = time.perf_counter()
     program = torch.onnx.export(
         module,
-        args,
-        input_names=list(inputs),
-        output_names=list(outputs),
-        dynamic_shapes=shapes,
+        tuple(t for spec in specs for t in spec.examples),
+        input_names=[f"{spec.name}/{name}" for spec in specs for name in spec.inputs],
+        output_names=[f"{spec.name}/{name}" for spec in specs for name in spec.outputs],
+        dynamic_shapes=(tuple(shape for spec in specs for shape in spec.shapes),),  # forward(*args)
         dynamo=True,
         opset_version=OPSET,
         optimize=False,
         verbose=False,
     )
-    return program.model
+    times.add("trace", time.perf_counter() - begin)
+    say("optimizing the traced pieces")
+    begin = time.perf_counter()
+    model = program.model
+    tensors = _named_tensors(module)
+    weights = _initializers_to_inputs(model.graph, tensors)
+    onnxscript.optimizer.optimize(model, num_iterations=1)  # weights are inputs: nothing of theirs is folded
+    weights |= _initializers_to_inputs(model.graph, tensors)
+    pieces = {spec.name: _cut(model.graph, spec, weights) for spec in specs}
+    times.add("optimize", time.perf_counter() - begin)
+    return pieces
 
 
 def _named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -145,29 +188,14 @@ def _named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     return named
 
 
-def _to_function(model, name: str, module: nn.Module) -> Piece:
-    """Turn a traced piece into a function: its initializers become trailing parameters.
+def _initializers_to_inputs(graph, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Move every initializer of ``graph`` to its inputs; returns ``{input name: tensor it holds}``.
 
-    Weights become parameters before the piece is optimized, so the optimizer folds nothing of
-    theirs into a layer-specific constant; the constants it makes become parameters too (functions
-    hold no initializers) and are passed the same value by every call.
+    Weights become inputs before the graph is optimized, so the optimizer folds nothing of theirs
+    into a layer-specific constant; the constants the exporter or optimizer make are moved too
+    (functions hold no initializers) and every call passes them the same value.
     """
-    import onnx_ir as ir
-    import onnxscript.optimizer
-
-    graph = model.graph
-    activations = [v.name for v in graph.inputs]
-    tensors = _named_tensors(module)
-    weights = _initializers_to_inputs(graph, tensors)
-    onnxscript.optimizer.optimize(model, num_iterations=1)
-    weights += _initializers_to_inputs(graph, tensors)
-    function = ir.Function(DOMAIN, name, graph=graph, attributes=[])
-    return Piece(function, activations, weights)
-
-
-def _initializers_to_inputs(graph, tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-    """Move every initializer of ``graph`` to its inputs; returns the tensor each one holds."""
-    moved = []
+    moved = {}
     for value in list(graph.initializers.values()):
         tensor = tensors.get(value.name)
         if tensor is None:  # a constant the exporter or optimizer made, not a weight
@@ -175,58 +203,44 @@ def _initializers_to_inputs(graph, tensors: dict[str, torch.Tensor]) -> list[tor
         graph.initializers.pop(value.name)
         value.const_value = None
         graph.inputs.append(value)
-        moved.append(tensor)
+        moved[value.name] = tensor
     return moved
 
 
-def trace_pieces(lm: nn.Module, info, options, times: TraceTimes, say: Progress) -> dict[str, Piece]:
-    """Trace the prologue, one layer per distinct signature, and the epilogue; returns them by name."""
-    dims = _dims(options)
-    ex = _examples(lm, info, options)
-    b, s = dims["batch"], dims["seq"]
-    shared_shapes = ({0: b, 2: s}, {0: b, 2: s}, {0: b, 1: s}, {0: b}, {0: b, 1: s})  # cos sin qpos anchor valid
-    kv_shape = {0: dims["rows"], 2: dims["ctx"]}
-    pieces: dict[str, Piece] = {}
+def _cut(graph, spec: PieceSpec, weights: dict[str, torch.Tensor]) -> Piece:
+    """The nodes that compute ``spec``'s outputs, as a function of its inputs and the weights they read."""
+    import onnx_ir as ir
 
-    def traced(name: str, module, args, shapes, inputs, outputs) -> None:
-        say(f"tracing {name}")
-        begin = time.perf_counter()
-        model = _trace(module, args, shapes, inputs, outputs)
-        pieces[name] = _to_function(model, name, module)
-        pieces[name].seconds = time.perf_counter() - begin
-        times.add("trace", pieces[name].seconds)
-
-    traced(
-        "prologue",
-        _Prologue(lm),
-        (ex["ids"], ex["pos"]),
-        ({0: b, 1: s}, {0: b, 1: s}),
-        (contract.INPUT_IDS, contract.POSITION_IDS),
-        ("hidden", *SHARED),
-    )
-    hidden, *shared = ex["shared"]
-    extra, extra_shapes, extra_names = [], [], []
-    if options.continuous_batching:
-        extra, extra_shapes, extra_names = [ex["batch_index"]], [{0: b}], [contract.BATCH_INDEX]
-    for index in representative_layers(lm):
-        traced(
-            layer_function_name(lm, index),
-            _Layer(lm, index),
-            (hidden, *shared, *extra, ex["kv"], ex["kv"].clone()),
-            ({0: b, 1: s}, *shared_shapes, tuple([*extra_shapes, kv_shape, kv_shape])),
-            (*LAYER_IN, *extra_names, "past_key", "past_value"),
-            LAYER_OUT,
-        )
-    keep, keep_shape, keep_name = ([ex["keep"]], [{0: dims["keep"]}], [contract.NUM_LOGITS_TO_KEEP]) if options.speculative else ([], [], [])
-    traced(
-        "epilogue",
-        _Epilogue(lm),
-        (hidden, shared[-1], *keep),
-        ({0: b, 1: s}, {0: b, 1: s}, *([tuple(keep_shape)] if keep else [])),
-        ("hidden", "valid", *keep_name),
-        (contract.LOGITS,),
-    )
-    return pieces
+    outputs = [next(v for v in graph.outputs if v.name == f"{spec.name}/{name}") for name in spec.outputs]
+    nodes, seen, stack = [], set(), [v.producer() for v in outputs]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        nodes.append(node)
+        stack.extend(v.producer() for v in node.inputs if v is not None)
+    order = {id(node): i for i, node in enumerate(graph)}
+    nodes.sort(key=lambda node: order[id(node)])
+    graph.remove(nodes, safe=False)
+    activations = [v for v in graph.inputs if v.name.startswith(spec.name + "/")]
+    for value in activations:
+        graph.inputs.remove(value)
+    for value in outputs:
+        graph.outputs.remove(value)
+    for value in (*activations, *outputs):
+        value.name = value.name.removeprefix(spec.name + "/")
+    # Weights may be read by several pieces: each piece reads its own parameter of the same name.
+    params: dict[str, ir.Value] = {}
+    for node in nodes:
+        for i, value in enumerate(node.inputs):
+            if value is not None and value.name in weights and value.producer() is None:
+                if value.name not in params:
+                    params[value.name] = ir.Value(name=value.name, shape=value.shape, type=value.type)
+                node.replace_input_with(i, params[value.name])
+    body = ir.Graph(activations + list(params.values()), outputs, nodes=nodes, opset_imports=dict(graph.opset_imports))
+    function = ir.Function(DOMAIN, spec.name, graph=body, attributes=[])
+    return Piece(function, [v.name for v in activations], [weights[name] for name in params])
 
 
 def representative_layers(lm: nn.Module) -> list[int]:
@@ -253,7 +267,7 @@ def compose(lm: nn.Module, pieces: dict[str, Piece], options):
     import onnx_ir as ir
     from onnx_ir.passes.common import InlinePass, RemoveUnusedFunctionsPass, RemoveUnusedOpsetsPass
 
-    from qspec.export.exporter import OPSET
+    from qspec.export.exporter import OPSET, expected_dims
 
     names = {id(t): n for n, t in lm.model.named_parameters()} | {id(t): n for n, t in lm.model.named_buffers()}
     initializers: dict[int, ir.Value] = {}
@@ -266,9 +280,14 @@ def compose(lm: nn.Module, pieces: dict[str, Piece], options):
             initializers[key] = ir.Value(name=name, shape=data.shape, type=ir.TensorType(data.dtype), const_value=data)
         return initializers[key]
 
+    want = expected_dims(lm.num_layers, options, lm.config.vocab_size)
+
     def graph_input(piece: Piece, name: str, rename: str | None = None) -> ir.Value:
-        src = next(v for v in piece.function.graph.inputs if v.name == name)
-        return ir.Value(name=rename or name, shape=src.shape, type=src.type)
+        """A graph input typed like the piece's parameter, its dims named as the contract says."""
+        like = next(v for v in piece.function.graph.inputs if v.name == name)
+        rename = rename or name
+        dims = [w if w is not None else like.shape[i] for i, w in enumerate(want[rename])]
+        return ir.Value(name=rename, shape=ir.Shape(dims), type=like.type)
 
     prologue, epilogue = pieces["prologue"], pieces["epilogue"]
     inputs = [graph_input(prologue, contract.INPUT_IDS), graph_input(prologue, contract.POSITION_IDS)]
@@ -290,9 +309,9 @@ def compose(lm: nn.Module, pieces: dict[str, Piece], options):
     )
     nodes.append(pro)
     hidden, *shared = pro.outputs
-    reps = representative_layers(lm)
+    reps = {lm.layer_signature(r): r for r in representative_layers(lm)}
     for i in range(lm.num_layers):
-        rep = max(r for r in reps if lm.layer_signature(r) == lm.layer_signature(i))
+        rep = reps[lm.layer_signature(i)]
         piece = pieces[layer_function_name(lm, rep)]
         past = [graph_input(piece, "past_key", contract.past_key(i)), graph_input(piece, "past_value", contract.past_value(i))]
         inputs.extend(past)
@@ -319,8 +338,8 @@ def compose(lm: nn.Module, pieces: dict[str, Piece], options):
     )
     nodes.append(epi)
     logits = epi.outputs[0]
-    src = epilogue.function.graph.outputs[0]
-    logits.name, logits.shape, logits.type = contract.LOGITS, src.shape, src.type
+    logits.name, logits.type = contract.LOGITS, epilogue.function.graph.outputs[0].type
+    logits.shape = ir.Shape(want[contract.LOGITS])
 
     graph = ir.Graph(
         inputs,
