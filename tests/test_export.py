@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from qspec import contract
-from qspec.errors import ModelLoadError, UnsupportedModelError
+from qspec.errors import ModelLoadError, QSpecError, UnsupportedModelError
 from qspec.export import ExportOptions, export_model
 from qspec.export.exporter import ONNX_FILE, graph_dims
 from tests.conftest import FAMILIES
@@ -222,3 +222,49 @@ def test_missing_model_and_offline_hub_errors(tmp_path):
         export_model(tmp_path / "nope.gguf", cache_dir=tmp_path)
     with pytest.raises(ModelLoadError, match="local model folder or a .gguf"):
         export_model("no-such-org-qspec/no-such-model", cache_dir=tmp_path)
+
+
+def test_tied_lm_head_is_stored_once(exported):
+    """A tied LM head shares the embedding's initializer; an untied one has its own."""
+    import onnx
+
+    for tie, heads in ((True, 1), (False, 2)):
+        _, folder, meta = exported("llama", tie=tie)
+        proto = onnx.load(str(folder / ONNX_FILE), load_external_data=False)
+        vocab_by_hidden = [i.name for i in proto.graph.initializer if list(i.dims) == [320, 64]]
+        assert len(vocab_by_hidden) == heads, vocab_by_hidden
+        assert set(meta.phase_seconds) == {"load", "trace", "optimize", "compose", "save", "check"}
+
+
+def test_layers_of_different_signatures_keep_parity(tmp_path):
+    """Qwen2 with sliding and full attention layers: one traced function per kind, each layer its weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import byte_tokenizer, tiny_config
+
+    config = tiny_config("qwen2", layers=3)
+    config.use_sliding_window, config.sliding_window = True, 4
+    config.layer_types = ["full_attention", "sliding_attention", "full_attention"]
+    torch.manual_seed(7)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.normal_(0, 0.3)
+    model.save_pretrained(tmp_path / "model")
+    byte_tokenizer().save_pretrained(tmp_path / "model")
+    folder, meta = export_model(tmp_path / "model", ExportOptions(), cache_dir=tmp_path / "cache")
+    tokens = np.random.default_rng(8).integers(3, 259, size=9).tolist()
+    graph = Graph(folder, meta, rows=1)
+    out = graph.run([tokens], [list(range(9))], keep=9)[0]
+    np.testing.assert_allclose(out, reference_logits(tmp_path / "model", tokens), atol=TOL)  # window 4 < 9
+
+
+def test_missing_export_extra_says_what_to_install(tiny_model, monkeypatch):
+    """Without onnxscript the exporter says to install qspec[export], before any work."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "onnxscript", None)
+    with pytest.raises(QSpecError, match=r"needs onnxscript.*pip install 'qspec\[export\]'"):
+        export_model(tiny_model("llama"), ExportOptions(num_layers=1))

@@ -100,6 +100,7 @@ def export_model(
     options = options or ExportOptions()
     say = progress or (lambda message: None)
     source = resolve_source(model)
+    require_export_extra(gguf=source.gguf_file is not None)
     if digest is None:
         say("hashing model files")
         digest = source_digest(source)
@@ -119,6 +120,30 @@ def export_model(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final, meta
+
+
+# What exporting imports beyond the runtime's dependencies: the `export` extra of the package.
+EXPORT_MODULES = ("torch", "transformers", "onnxscript", "onnx_ir")
+
+
+def require_export_extra(*, gguf: bool = False) -> None:
+    """Fail with the install command when a module the exporter needs is missing."""
+    needed = EXPORT_MODULES + (("gguf",) if gguf else ())
+    missing = [name for name in needed if _missing(name)]
+    if missing:
+        raise QSpecError(
+            f"exporting a model needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} not "
+            "installed; install the export extra: pip install 'qspec[export]' (with torch==2.13.0 for the CPU build)"
+        )
+
+
+def _missing(name: str) -> bool:
+    import importlib.util
+    import sys
+
+    if name in sys.modules:
+        return sys.modules[name] is None
+    return importlib.util.find_spec(name) is None
 
 
 def _export_into(folder: Path, source: ModelSource, digest: str, key: str, options, say: Progress) -> ExportMeta:
