@@ -24,6 +24,12 @@ CtxLenOption = Annotated[int, typer.Option(help="KV cache length (prompt + outpu
 BatchSizeOption = Annotated[int, typer.Option(help="Rows per prefill call.")]
 FullBatchSizeOption = Annotated[Optional[int], typer.Option(help="KV slots for continuous batching.")]
 SpecFormatOption = Annotated[str, typer.Option(help="specializations.json format: flat or named.")]
+CclPrefillOption = Annotated[
+    Optional[str], typer.Option(help="Compute-context-length buckets of the prefill shapes, e.g. 256,1024.")
+]
+CclDecodeOption = Annotated[
+    Optional[str], typer.Option(help="Compute-context-length buckets of the decode shapes, e.g. 256,512,1024.")
+]
 DraftPackageOption = Annotated[Optional[Path], typer.Option(help="The draft model's package (method draft).")]
 DispatchOption = Annotated[
     str, typer.Option(help="cover: smallest K covering the drafts; cost: most tokens per ms.")

@@ -14,6 +14,8 @@ from qspec_cli.common import (
     DEFAULT_CTX_LEN,
     DEFAULT_PREFILL_SEQ_LEN,
     BatchSizeOption,
+    CclDecodeOption,
+    CclPrefillOption,
     CtxLenOption,
     DispatchOption,
     DraftPackageOption,
@@ -52,6 +54,8 @@ def compile(
     ctx_len: CtxLenOption = DEFAULT_CTX_LEN,
     batch_size: BatchSizeOption = 1,
     full_batch_size: FullBatchSizeOption = None,
+    comp_ctx_lengths_prefill: CclPrefillOption = None,
+    comp_ctx_lengths_decode: CclDecodeOption = None,
     spec_format: SpecFormatOption = "flat",
     backend: Annotated[str, typer.Option(help="ort (ONNX Runtime, CPU) or qaic (Qualcomm qaic-compile).")] = "ort",
     num_layers: Annotated[Optional[int], typer.Option(help="Keep only the first N layers (a draft model).")] = None,
@@ -78,6 +82,8 @@ def compile(
             ctx_len=ctx_len,
             batch_size=batch_size,
             full_batch_size=full_batch_size,
+            comp_ctx_lengths_prefill=comp_ctx_lengths_prefill,
+            comp_ctx_lengths_decode=comp_ctx_lengths_decode,
         )
         options = CompileOptions.create(
             specialization=spec,
@@ -120,6 +126,8 @@ def specializations(
     ctx_len: CtxLenOption = DEFAULT_CTX_LEN,
     batch_size: BatchSizeOption = 1,
     full_batch_size: FullBatchSizeOption = None,
+    comp_ctx_lengths_prefill: CclPrefillOption = None,
+    comp_ctx_lengths_decode: CclDecodeOption = None,
     spec_format: SpecFormatOption = "flat",
     non_speculative: Annotated[bool, typer.Option(help="A graph without num_logits_to_keep (K=0 only).")] = False,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="File to write (default: stdout).")] = None,
@@ -135,6 +143,8 @@ def specializations(
             ctx_len=ctx_len,
             batch_size=batch_size,
             full_batch_size=full_batch_size,
+            comp_ctx_lengths_prefill=comp_ctx_lengths_prefill,
+            comp_ctx_lengths_decode=comp_ctx_lengths_decode,
             speculative=not non_speculative,
         )
         request = SpecializationsFile.create(config=config, spec_format=spec_format)

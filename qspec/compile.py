@@ -109,6 +109,7 @@ def compile_package(
     export_options = ExportOptions(
         continuous_batching=spec_config.continuous_batching,
         speculative=spec_config.speculative,
+        comp_ctx_lengths=spec_config.comp_ctx_lengths,
         num_layers=options.num_layers,
     )
     export_dir, meta = export_model(model, export_options, progress=say, digest=digest)
@@ -123,6 +124,7 @@ def compile_package(
         export_key=meta.key,
         continuous_batching=export_options.continuous_batching,
         speculative=export_options.speculative,
+        comp_ctx_lengths=export_options.comp_ctx_lengths,
         truncated_layers=options.num_layers,
     )
 

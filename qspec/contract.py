@@ -12,6 +12,7 @@ INPUT_IDS = "input_ids"  # int64 [batch_size, seq_len]
 POSITION_IDS = "position_ids"  # int64 [batch_size, seq_len]; PAD_POSITION marks padding
 BATCH_INDEX = "batch_index"  # int64 [batch_size, 1]; continuous batching only
 NUM_LOGITS_TO_KEEP = "num_logits_to_keep"  # int64 [num_logits_to_keep, 1]; only its shape matters
+COMP_CTX_LENGTHS = "comp_ctx_lengths"  # int64 [comp_ctx_lengths]; its length bounds the slots attention reads
 
 # Graph output.
 LOGITS = "logits"  # float [batch_size, num_logits_to_keep or 1, vocab]
@@ -23,8 +24,8 @@ BATCH_SIZE = "batch_size"
 SEQ_LEN = "seq_len"
 CTX_LEN = "ctx_len"
 FULL_BATCH_SIZE = "full_batch_size"
-# NUM_LOGITS_TO_KEEP is both an input name and a dimension name.
-SPECIALIZATION_KEYS = (BATCH_SIZE, SEQ_LEN, CTX_LEN, FULL_BATCH_SIZE, NUM_LOGITS_TO_KEEP)
+# NUM_LOGITS_TO_KEEP and COMP_CTX_LENGTHS are both input names and dimension names.
+SPECIALIZATION_KEYS = (BATCH_SIZE, SEQ_LEN, CTX_LEN, FULL_BATCH_SIZE, NUM_LOGITS_TO_KEEP, COMP_CTX_LENGTHS)
 
 # Position id of a padding token: it writes nothing a live token can see and gets no logits.
 PAD_POSITION = -1
@@ -50,13 +51,17 @@ def kv_names(num_layers: int) -> list[str]:
     return [name for i in range(num_layers) for name in (past_key(i), past_value(i))]
 
 
-def input_names(num_layers: int, *, continuous_batching: bool, speculative: bool) -> list[str]:
+def input_names(
+    num_layers: int, *, continuous_batching: bool, speculative: bool, comp_ctx_lengths: bool = False
+) -> list[str]:
     """Graph input names, in order, for a graph with these options."""
     names = [INPUT_IDS, POSITION_IDS]
     if continuous_batching:
         names.append(BATCH_INDEX)
     if speculative:
         names.append(NUM_LOGITS_TO_KEEP)
+    if comp_ctx_lengths:
+        names.append(COMP_CTX_LENGTHS)
     return names + kv_names(num_layers)
 
 

@@ -59,6 +59,7 @@ class ModelEntry(ModelInfo):
     digest: str
     export_key: str
     continuous_batching: bool
+    comp_ctx_lengths: bool = False  # the graph has the `comp_ctx_lengths` input
     speculative: bool
     truncated_layers: int | None = None
 
@@ -133,6 +134,13 @@ def check_package(package: str | os.PathLike[str]) -> Manifest:
         raise PackageError(f"{folder / SPECIALIZATIONS_FILE}: {exc}; {hint}") from None
     if specs != manifest.specializations:
         raise PackageError(f"{folder / SPECIALIZATIONS_FILE} disagrees with {MANIFEST}; {hint}")
+    bucketed = any(spec.comp_ctx_lengths for spec in specs)
+    if bucketed != manifest.model.comp_ctx_lengths:
+        has = "has" if manifest.model.comp_ctx_lengths else "has no"
+        raise PackageError(
+            f"{folder}: the graph {has} a comp_ctx_lengths input but the specializations "
+            f"{'carry' if bucketed else 'lack'} compute context lengths; {hint} with the same --comp-ctx-lengths-* options"
+        )
     return manifest
 
 

@@ -44,6 +44,7 @@ WIRE_KEYS = (
     contract.BATCH_SIZE,
     contract.SEQ_LEN,
     contract.CTX_LEN,
+    contract.COMP_CTX_LENGTHS,
     contract.NUM_LOGITS_TO_KEEP,
     contract.FULL_BATCH_SIZE,
 )
@@ -53,6 +54,7 @@ PREFILL_NAME = "Prefill"
 SPECULATIVE_CONFIG_KEY = "speculative_config"
 NUM_SPECULATIVE_TOKENS = "num_speculative_tokens"
 _K_EXAMPLE = "give a comma-separated list such as 0,4"
+_CCL_EXAMPLE = "give a comma-separated list of KV slot counts such as 256,1024"
 
 
 # --------------------------------------------------------------------------------------------
@@ -60,33 +62,49 @@ _K_EXAMPLE = "give a comma-separated list such as 0,4"
 # --------------------------------------------------------------------------------------------
 
 
-def _parse_k_token(token: str, raw: str) -> int:
-    """One K of a comma-separated list, as an int >= 0."""
+def _parse_token(token: str, raw: str, name: str, example: str) -> int:
+    """One entry of a comma-separated list, as an int."""
     token = token.strip()
     if not token:
-        raise ConfigError(
-            f"num_speculative_tokens {raw!r}: empty entry; {_K_EXAMPLE}"
-        )
+        raise ConfigError(f"{name} {raw!r}: empty entry; {example}")
     try:
         return int(token)
     except ValueError:
-        raise ConfigError(
-            f"num_speculative_tokens {raw!r}: {token!r} is not an integer; {_K_EXAMPLE}"
-        ) from None
+        raise ConfigError(f"{name} {raw!r}: {token!r} is not an integer; {example}") from None
 
 
-def _check_k(k: object, raw: object) -> int:
-    """A K given as a number: an int >= 0 (bools are refused, they are not counts)."""
-    if isinstance(k, bool) or not isinstance(k, int):
-        raise ConfigError(
-            f"num_speculative_tokens {raw!r}: {k!r} is not an integer; {_K_EXAMPLE}"
-        )
-    if k < 0:
-        raise ConfigError(
-            f"num_speculative_tokens {raw!r}: K={k} is negative; K counts drafted tokens, "
-            "use 0 for no speculation"
-        )
-    return k
+def _check_entry(value: object, raw: object, name: str, minimum: int, example: str) -> int:
+    """An entry given as a number: an int >= ``minimum`` (bools are refused, they are not counts)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} {raw!r}: {value!r} is not an integer; {example}")
+    if value < minimum:
+        if name == NUM_SPECULATIVE_TOKENS:
+            raise ConfigError(
+                f"{name} {raw!r}: K={value} is negative; K counts drafted tokens, use 0 for no speculation"
+            )
+        raise ConfigError(f"{name} {raw!r}: {value} is below {minimum}; {example}")
+    return value
+
+
+def parse_int_list(value: str | int | Sequence[int], name: str, *, minimum: int = 0, example: str) -> tuple[int, ...]:
+    """Parse ``"0,4"``, ``"4,0,4"``, ``4`` or ``[4, 0]`` into sorted, distinct ints: ``(0, 4)``.
+
+    Raises ConfigError, naming ``name`` and the bad value and showing ``example``, for an empty
+    list, an entry that is not an integer (``"0,a"``, ``"4,,"``) or one below ``minimum``.
+    """
+    if isinstance(value, str):
+        if not value.strip():
+            raise ConfigError(f"{name} {value!r} is empty; {example}")
+        entries = [_parse_token(token, value, name, example) for token in value.split(",")]
+    elif isinstance(value, int) and not isinstance(value, bool):
+        entries = [value]
+    elif isinstance(value, Sequence):
+        entries = list(value)
+    else:
+        raise ConfigError(f"{name} {value!r} is neither an integer nor a list; {example}")
+    if not entries:
+        raise ConfigError(f"{name} {value!r} is empty; {example}")
+    return tuple(sorted({_check_entry(v, value, name, minimum, example) for v in entries}))
 
 
 # --------------------------------------------------------------------------------------------
@@ -102,11 +120,16 @@ class Specialization(FrozenModel):
     ctx_len: int = Field(ge=1)
     num_logits_to_keep: int | None = Field(default=None, ge=1)
     full_batch_size: int | None = Field(default=None, ge=1)
+    comp_ctx_lengths: int | None = Field(default=None, ge=1)  # KV slots attention reads (<= ctx_len)
 
     @model_validator(mode="after")
     def _check_shape(self) -> Specialization:
         if self.seq_len > self.ctx_len:
             raise ValueError(f"seq_len {self.seq_len} > ctx_len {self.ctx_len}")
+        if self.comp_ctx_lengths is not None and not self.seq_len <= self.comp_ctx_lengths <= self.ctx_len:
+            raise ValueError(
+                f"comp_ctx_lengths {self.comp_ctx_lengths} must be in [seq_len {self.seq_len}, ctx_len {self.ctx_len}]"
+            )
         if self.num_logits_to_keep is not None and self.num_logits_to_keep > self.seq_len:
             raise ValueError(
                 f"num_logits_to_keep {self.num_logits_to_keep} > seq_len {self.seq_len}: "
@@ -142,26 +165,8 @@ class Specialization(FrozenModel):
 
 
 def parse_num_speculative_tokens(value: str | int | Sequence[int]) -> tuple[int, ...]:
-    """Parse ``"0,4"``, ``"4,0,4"``, ``4`` or ``[4, 0]`` into sorted, distinct Ks: ``(0, 4)``.
-
-    Raises ConfigError, naming the bad value and showing the fix, for an empty list, an entry
-    that is not an integer (``"0,a"``, ``"4,,"``) or a negative K.
-    """
-    if isinstance(value, str):
-        if not value.strip():
-            raise ConfigError(f"num_speculative_tokens {value!r} is empty; {_K_EXAMPLE}")
-        ks = [_parse_k_token(token, value) for token in value.split(",")]
-    elif isinstance(value, int) and not isinstance(value, bool):
-        ks = [value]
-    elif isinstance(value, Sequence):
-        ks = list(value)
-    else:
-        raise ConfigError(
-            f"num_speculative_tokens {value!r} is neither an integer nor a list; {_K_EXAMPLE}"
-        )
-    if not ks:
-        raise ConfigError(f"num_speculative_tokens {value!r} is empty; {_K_EXAMPLE}")
-    return tuple(sorted({_check_k(k, value) for k in ks}))
+    """Parse ``"0,4"``, ``"4,0,4"``, ``4`` or ``[4, 0]`` into sorted, distinct Ks: ``(0, 4)``."""
+    return parse_int_list(value, NUM_SPECULATIVE_TOKENS, example=_K_EXAMPLE)
 
 
 class SpecializationConfig(FrozenModel):
@@ -173,7 +178,20 @@ class SpecializationConfig(FrozenModel):
     batch_size: int = Field(default=1, ge=1)
     full_batch_size: int | None = Field(default=None, ge=1)
     speculative: bool = True  # the graph has the num_logits_to_keep input
-    comp_ctx_lengths: tuple[int, ...] | None = None
+    # Compute-context-length buckets (QEfficient's names): each prefill / decode shape is compiled once
+    # per bucket and attends only to that many KV slots. ctx_len is always a bucket.
+    comp_ctx_lengths_prefill: tuple[int, ...] | None = None
+    comp_ctx_lengths_decode: tuple[int, ...] | None = None
+
+    @field_validator("comp_ctx_lengths_prefill", "comp_ctx_lengths_decode", mode="before")
+    @classmethod
+    def _parse_ccls(cls, value: Any, info) -> tuple[int, ...] | None:
+        if value is None:
+            return None
+        try:
+            return parse_int_list(value, info.field_name, minimum=1, example=_CCL_EXAMPLE)
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
 
     @field_validator("num_speculative_tokens", mode="before")
     @classmethod
@@ -208,18 +226,40 @@ class SpecializationConfig(FrozenModel):
                 "graph (with the num_logits_to_keep input); a non-speculative graph only runs "
                 "K=0: pass num_speculative_tokens=0 or export a speculative graph"
             )
-        if self.comp_ctx_lengths is not None:
-            raise ValueError(
-                f"comp_ctx_lengths {list(self.comp_ctx_lengths)} is not supported: the qspec "
-                "graph contract has no compute-context-length input, so every specialization "
-                f"attends over the full ctx_len {self.ctx_len}; drop comp_ctx_lengths"
-            )
+        self._check_ccls("comp_ctx_lengths_prefill", self.comp_ctx_lengths_prefill, self.prefill_seq_len, "prefill_seq_len")
+        self._check_ccls("comp_ctx_lengths_decode", self.comp_ctx_lengths_decode, k_max + 1, f"K={k_max} (seq_len)")
         return self
+
+    def _check_ccls(self, name: str, ccls: tuple[int, ...] | None, smallest: int, what: str) -> None:
+        for ccl in ccls or ():
+            if ccl > self.ctx_len:
+                raise ValueError(f"{name} {ccl} > ctx_len {self.ctx_len}; a bucket cannot exceed the KV buffer")
+            if ccl < smallest:
+                raise ValueError(
+                    f"{name} {ccl} < {what} {smallest}: a call of that shape cannot fit in the bucket; "
+                    f"drop {ccl} or use buckets of at least {smallest}"
+                )
 
     @property
     def continuous_batching(self) -> bool:
         """True when the KV cache has ``full_batch_size`` slots (continuous batching)."""
         return self.full_batch_size is not None
+
+    @property
+    def comp_ctx_lengths(self) -> bool:
+        """True when the graph has the ``comp_ctx_lengths`` input (some bucket list was given)."""
+        return self.comp_ctx_lengths_prefill is not None or self.comp_ctx_lengths_decode is not None
+
+    def buckets(self, which: str) -> list[int | None]:
+        """Compute context lengths of the ``prefill`` or ``decode`` shapes, ascending; ctx_len included.
+
+        ``[None]`` for a graph without the input. ``comp_ctx_lengths_decode=(256, 512)`` with
+        ``ctx_len=1024`` -> ``[256, 512, 1024]``; the prefill list, not given, -> ``[1024]``.
+        """
+        if not self.comp_ctx_lengths:
+            return [None]
+        given = self.comp_ctx_lengths_prefill if which == "prefill" else self.comp_ctx_lengths_decode
+        return sorted({*(given or ()), self.ctx_len})
 
 
 def make_config(**kwargs: Any) -> SpecializationConfig:
@@ -232,23 +272,25 @@ def make_config(**kwargs: Any) -> SpecializationConfig:
 # --------------------------------------------------------------------------------------------
 
 
-def _prefill_specialization(config: SpecializationConfig) -> Specialization:
+def prefill_specialization(config: SpecializationConfig, ccl: int | None = None) -> Specialization:
     return Specialization(
         batch_size=config.batch_size,
         seq_len=config.prefill_seq_len,
         ctx_len=config.ctx_len,
         num_logits_to_keep=1 if config.speculative else None,
         full_batch_size=config.full_batch_size,
+        comp_ctx_lengths=ccl,
     )
 
 
-def _decode_specialization(config: SpecializationConfig, k: int) -> Specialization:
+def decode_specialization(config: SpecializationConfig, k: int, ccl: int | None = None) -> Specialization:
     return Specialization(
         batch_size=config.full_batch_size or config.batch_size,
         seq_len=k + 1,
         ctx_len=config.ctx_len,
         num_logits_to_keep=k + 1 if config.speculative else None,
         full_batch_size=config.full_batch_size,
+        comp_ctx_lengths=ccl,
     )
 
 
@@ -268,9 +310,18 @@ def build_specializations(config: SpecializationConfig) -> list[Specialization]:
     ``prefill_seq_len=2`` and K=1 it is kept, since ``num_logits_to_keep`` is 1 vs 2. With
     ``full_batch_size=4`` prefill keeps ``batch_size=1`` and decode runs ``batch_size=4``; both
     carry ``full_batch_size=4``.
+
+    With compute-context-length buckets, one prefill shape per prefill bucket, then the decode
+    shapes of every K for each decode bucket, buckets ascending and ctx_len always one of them:
+    ``ctx_len=1024``, ``comp_ctx_lengths_decode="256"`` and no prefill list give prefill at 1024,
+    then K=0, K=4 at 256 and K=0, K=4 at 1024.
     """
-    candidates = [_prefill_specialization(config)]
-    candidates += [_decode_specialization(config, k) for k in config.num_speculative_tokens]
+    candidates = [prefill_specialization(config, ccl) for ccl in config.buckets("prefill")]
+    candidates += [
+        decode_specialization(config, k, ccl)
+        for ccl in config.buckets("decode")
+        for k in config.num_speculative_tokens
+    ]
     specs: list[Specialization] = []
     for spec in candidates:
         if spec not in specs:
@@ -283,9 +334,21 @@ def build_specializations(config: SpecializationConfig) -> list[Specialization]:
 # --------------------------------------------------------------------------------------------
 
 
-def specialization_name(index: int, spec: Specialization) -> str:
-    """Name in the named form: the first is ``Prefill``, a decode one ``Decode_{seq_len}``."""
-    return PREFILL_NAME if index == 0 else f"Decode_{spec.seq_len}"
+def specialization_names(specs: Sequence[Specialization]) -> list[str]:
+    """Names in the named form: ``Prefill`` for the leading prefill shapes, then ``Decode_{seq_len}``.
+
+    With compute-context-length buckets each name ends in its bucket: ``Prefill_256``, ``Decode_5_1024``.
+    The prefill shapes are the leading ones shaped like the first (same rows, seq_len, logits kept).
+    """
+    first = specs[0] if specs else None
+    names, prefill = [], True
+    for spec in specs:
+        prefill = prefill and (spec.batch_size, spec.seq_len, spec.num_logits_to_keep) == (
+            first.batch_size, first.seq_len, first.num_logits_to_keep
+        )
+        name = PREFILL_NAME if prefill else f"Decode_{spec.seq_len}"
+        names.append(f"{name}_{spec.comp_ctx_lengths}" if spec.comp_ctx_lengths else name)
+    return names
 
 
 def specializations_to_json(specs: Sequence[Specialization], *, fmt: SpecFormat = "flat") -> str:
@@ -294,8 +357,7 @@ def specializations_to_json(specs: Sequence[Specialization], *, fmt: SpecFormat 
         entries: list[dict[str, Any]] = [spec.to_wire() for spec in specs]
     elif fmt == "named":
         entries = [
-            {"name": specialization_name(i, spec), "symbols": spec.to_wire()}
-            for i, spec in enumerate(specs)
+            {"name": name, "symbols": spec.to_wire()} for name, spec in zip(specialization_names(specs), specs)
         ]
     else:
         raise ConfigError(f"specialization format {fmt!r} is unknown; use 'flat' or 'named'")

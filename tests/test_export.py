@@ -28,13 +28,16 @@ class Graph:
         shape = (rows, info.num_kv_heads, CTX, info.head_dim)
         self.kv = {name: np.zeros(shape, np.float32) for name in contract.kv_names(info.num_layers)}
         self.speculative = meta.options.speculative
+        self.bucketed = meta.options.comp_ctx_lengths
 
-    def run(self, ids, pos, *, keep: int = 1, batch_index=None):
+    def run(self, ids, pos, *, keep: int = 1, batch_index=None, ccl: int = CTX):
         feeds = {contract.INPUT_IDS: np.array(ids, np.int64), contract.POSITION_IDS: np.array(pos, np.int64)}
         if batch_index is not None:
             feeds[contract.BATCH_INDEX] = np.array(batch_index, np.int64).reshape(-1, 1)
         if self.speculative:
             feeds[contract.NUM_LOGITS_TO_KEEP] = np.zeros((keep, 1), np.int64)
+        if self.bucketed:
+            feeds[contract.COMP_CTX_LENGTHS] = np.zeros(ccl, np.int64)
         outputs = self.session.run(None, feeds | self.kv)
         self.kv = dict(zip(self.kv, outputs[1:]))
         return outputs[0]  # [batch, keep, vocab]
@@ -166,7 +169,7 @@ def test_symbolic_dims_are_specialization_keys(exported):
     """Every symbolic dimension of the graph is one of the specialization keys, and vice versa."""
     from qspec.specializations import Specialization
 
-    _, folder, _ = exported("llama", continuous_batching=True)
+    _, folder, _ = exported("llama", continuous_batching=True, comp_ctx_lengths=True)
     params = {d for dims in graph_dims(folder / ONNX_FILE).values() for d in dims if isinstance(d, str)}
     assert params == set(contract.SPECIALIZATION_KEYS) == set(Specialization.model_fields)
 
@@ -268,3 +271,19 @@ def test_missing_export_extra_says_what_to_install(tiny_model, monkeypatch):
     monkeypatch.setitem(sys.modules, "onnxscript", None)
     with pytest.raises(QSpecError, match=r"needs onnxscript.*pip install 'qspec\[export\]'"):
         export_model(tiny_model("llama"), ExportOptions(num_layers=1))
+
+
+def test_comp_ctx_lengths_bounds_the_slots_read(exported):
+    """A comp_ctx_lengths input of length 8 makes attention read slots 0..7 only: NaNs beyond are never seen."""
+    model_dir, folder, meta = exported("llama", comp_ctx_lengths=True)
+    tokens = np.random.default_rng(9).integers(3, 259, size=10).tolist()
+    ref = reference_logits(model_dir, tokens)
+    graph = Graph(folder, meta, rows=1)
+    for value in graph.kv.values():
+        value[:, :, 8:] = np.nan  # stale garbage in the slots past the bucket
+    out = graph.run([tokens[:6]], [list(range(6))], keep=6, ccl=8)[0]
+    np.testing.assert_allclose(out, ref[:6], atol=TOL)
+    out = graph.run([tokens[6:8]], [[6, 7]], keep=2, ccl=8)[0]  # positions up to 7: the bucket's last slot
+    np.testing.assert_allclose(out, ref[6:8], atol=TOL)
+    # The full buffer reads the NaNs (masked scores still multiply their values): the bound is what saved us.
+    assert np.isnan(graph.run([tokens[8:9]], [[8]], ccl=CTX)).any()

@@ -282,3 +282,39 @@ def test_streamed_text_ends_where_the_stop_string_starts(packages):
     )
     assert cut.text == full.text[: full.text.index(stop)]
     assert "".join(pieces) == cut.text
+
+
+@pytest.mark.parametrize("fbs", [None, 4])
+def test_compute_context_buckets_keep_greedy_output(model, tmp_path, reference, fbs):
+    """Buckets 16/32 (+64 = ctx_len): each call runs in the smallest bucket holding its rows after the call.
+
+    Rows cross 16 and 32 mid-draft; outputs still equal `none` and transformers greedy.
+    """
+    config = make_config(
+        num_speculative_tokens="0,4", prefill_seq_len=8, ctx_len=CTX, full_batch_size=fbs,
+        comp_ctx_lengths_prefill="16", comp_ctx_lengths_decode="16,32",
+    )
+    package, _, _ = compile_package(model, CompileOptions(specialization=config), output=tmp_path / "ccl")
+    budgets = [30, 25, 20, 10, 28]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in budgets]
+    for method in ("none", "pld"):
+        engine = Engine(package, method=method)
+        calls, run = [], engine.model.run
+
+        def spy(bound):
+            live = bound.position_ids[bound.position_ids >= 0]
+            calls.append((bound.spec.seq_len == 8, bound.spec.comp_ctx_lengths, int(live.min()), int(live.max())))
+            return run(bound)
+
+        engine.model.run = spy
+        outputs = engine.generate(PROMPTS, params)
+        for prompt, n, out in zip(PROMPTS, budgets, outputs):
+            assert out.token_ids == reference(prompt, n)
+        decode = [c for c in calls if not c[0]]
+        for prefill, ccl, _, last in calls:
+            buckets = [16, 64] if prefill else [16, 32, 64]
+            assert ccl == min(b for b in buckets if b > last), (prefill, ccl, last)
+        # One row at a time reaches every bucket; with 4 rows the 30-token prompt keeps the batch above 16.
+        assert {ccl for _, ccl, _, _ in decode} == ({16, 32, 64} if fbs is None else {32, 64})
+        if method == "pld" and fbs is None:
+            assert any(first < 16 <= last for _, _, first, last in decode), "a draft must cross a bucket edge"

@@ -27,6 +27,13 @@ ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = json.loads((ROOT / "specializations" / "schema.json").read_text())
 GOLDEN = ROOT / "specializations" / "golden"
 
+# Compute-context-length buckets x K: unsorted, duplicated, ctx_len not listed (it is added).
+CCL_CASE = {
+    "num_speculative_tokens": "4,0",
+    "ctx_len": 1024,
+    "comp_ctx_lengths_prefill": "256",
+    "comp_ctx_lengths_decode": "512,256,256",
+}
 # Golden file -> (config options, format).
 GOLDEN_CASES = {
     "bs1_prefill32_ctx128_k0_4.json": ({"num_speculative_tokens": "0,4"}, "flat"),
@@ -37,6 +44,8 @@ GOLDEN_CASES = {
     ),
     "named_k0_4.json": ({"num_speculative_tokens": "0,4"}, "named"),
     "non_speculative.json": ({"num_speculative_tokens": 0, "speculative": False}, "flat"),
+    "ccl_k0_4.json": (CCL_CASE, "flat"),
+    "ccl_named_k0_4.json": (CCL_CASE, "named"),
 }
 
 
@@ -178,11 +187,32 @@ def test_unknown_option_is_refused():
     assert config_error(num_speculative_tokens=0, ctx_length=64) == "unknown option ctx_length=64"
 
 
-def test_comp_ctx_lengths_is_refused():
-    """Compute-context-length buckets need a graph input the contract does not have."""
-    message = config_error(num_speculative_tokens="0,4", comp_ctx_lengths=[64, 128])
-    assert "comp_ctx_lengths [64, 128] is not supported" in message
-    assert "no compute-context-length input" in message
+def test_comp_ctx_lengths_buckets_times_ks():
+    """One prefill per prefill bucket, one decode per (decode bucket, K); sorted, deduplicated, ctx_len added."""
+    specs = build_specializations(make_config(**CCL_CASE))
+    assert [(s.seq_len, s.comp_ctx_lengths) for s in specs] == [
+        (32, 256), (32, 1024),  # prefill buckets: 256 given, 1024 = ctx_len added
+        (1, 256), (5, 256), (1, 512), (5, 512), (1, 1024), (5, 1024),  # decode: bucket-major, K ascending
+    ]
+    names = json.loads(specializations_to_json(specs, fmt="named"))["specializations"]
+    assert [n["name"] for n in names][:3] == ["Prefill_256", "Prefill_1024", "Decode_1_256"]
+
+
+@pytest.mark.parametrize(
+    "options, expected",
+    [
+        ({"comp_ctx_lengths_decode": "2048"}, "comp_ctx_lengths_decode 2048 > ctx_len 1024"),
+        ({"comp_ctx_lengths_decode": "4"}, "comp_ctx_lengths_decode 4 < K=4 (seq_len) 5"),
+        ({"comp_ctx_lengths_prefill": "16"}, "comp_ctx_lengths_prefill 16 < prefill_seq_len 32"),
+        ({"comp_ctx_lengths_decode": "256,x"}, "comp_ctx_lengths_decode '256,x': 'x' is not an integer"),
+        ({"comp_ctx_lengths_prefill": "0"}, "comp_ctx_lengths_prefill '0': 0 is below 1"),
+    ],
+)
+def test_comp_ctx_lengths_validation(options, expected):
+    """A bucket above ctx_len, too small for the largest K or the prefill chunk, or not a count: one line."""
+    message = config_error(num_speculative_tokens="0,4", ctx_len=1024, **options)
+    assert message.startswith(expected), message
+    assert "\n" not in message
 
 
 def test_non_speculative_graph_allows_only_k0():

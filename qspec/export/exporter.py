@@ -47,6 +47,7 @@ class ExportOptions(BaseModel):
 
     continuous_batching: bool = False  # `batch_index` input, KV buffers of `full_batch_size` rows
     speculative: bool = True  # `num_logits_to_keep` input: logits of the last K + 1 positions
+    comp_ctx_lengths: bool = False  # `comp_ctx_lengths` input: its length bounds the KV slots attention reads
     num_layers: int | None = Field(default=None, ge=1)  # keep only the first N decoder layers
 
 
@@ -221,7 +222,10 @@ def trace_to_onnx(model, path: Path, options: ExportOptions, info: ModelInfo, sa
     from qspec.export.wrapper import KVExplicitLM
 
     wrapper = KVExplicitLM(
-        model, continuous_batching=options.continuous_batching, speculative=options.speculative
+        model,
+        continuous_batching=options.continuous_batching,
+        speculative=options.speculative,
+        comp_ctx_lengths=options.comp_ctx_lengths,
     ).eval()
     times = trace.TraceTimes()
     with _quiet(), torch.no_grad():
@@ -249,6 +253,8 @@ def expected_dims(num_layers: int, options: ExportOptions, vocab_size: int) -> d
         dims[contract.BATCH_INDEX] = [contract.BATCH_SIZE, 1]
     if options.speculative:
         dims[contract.NUM_LOGITS_TO_KEEP] = [contract.NUM_LOGITS_TO_KEEP, 1]
+    if options.comp_ctx_lengths:
+        dims[contract.COMP_CTX_LENGTHS] = [contract.COMP_CTX_LENGTHS]
     kv = [rows, None, contract.CTX_LEN, None]  # None: a fixed size the contract does not name
     dims |= {name: kv for name in contract.kv_names(num_layers)}
     keep = contract.NUM_LOGITS_TO_KEEP if options.speculative else 1

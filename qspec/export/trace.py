@@ -127,6 +127,10 @@ def piece_specs(lm: nn.Module, info, options) -> list[PieceSpec]:
         names += ["past_key", "past_value"]
         examples += [kv, kv.clone()]
         shapes += [kv_shape, kv_shape]
+        if options.comp_ctx_lengths:
+            names.append(contract.COMP_CTX_LENGTHS)
+            examples.append(torch.zeros(ctx - 3, dtype=torch.int64))  # attend fewer slots than the buffer
+            shapes.append({0: Dim(f"ccl_layer{j}", min=1)})
         specs.append(PieceSpec(layer_function_name(lm, index), _layer_call(lm, index, options), names, examples, shapes, list(LAYER_OUT)))
     b, s, ids = dims("epilogue", 6, 7)
     names, examples, shapes = ["hidden", "valid"], [torch.zeros(6, 7, lm.config.hidden_size), ids >= 0], [{0: b, 1: s}, {0: b, 1: s}]
@@ -141,8 +145,10 @@ def piece_specs(lm: nn.Module, info, options) -> list[PieceSpec]:
 
 def _layer_call(lm: nn.Module, index: int, options) -> Callable[..., tuple]:
     def call(hidden, cos, sin, query_pos, anchor, valid, *rest):
-        batch_index = rest[0] if options.continuous_batching else None
-        return lm.layer_step(index, hidden, cos, sin, query_pos, anchor, valid, batch_index, *rest[-2:])
+        rest = list(rest)
+        batch_index = rest.pop(0) if options.continuous_batching else None
+        ccl = rest.pop() if options.comp_ctx_lengths else None
+        return lm.layer_step(index, hidden, cos, sin, query_pos, anchor, valid, batch_index, *rest, ccl)
 
     return call
 
@@ -292,13 +298,16 @@ def compose(lm: nn.Module, pieces: dict[str, Piece], options):
     prologue, epilogue = pieces["prologue"], pieces["epilogue"]
     inputs = [graph_input(prologue, contract.INPUT_IDS), graph_input(prologue, contract.POSITION_IDS)]
     first_layer = pieces[layer_function_name(lm, 0)]
-    batch_index = keep = None
+    batch_index = keep = ccl = None
     if options.continuous_batching:
         batch_index = graph_input(first_layer, contract.BATCH_INDEX)
         inputs.append(batch_index)
     if options.speculative:
         keep = graph_input(epilogue, contract.NUM_LOGITS_TO_KEEP)
         inputs.append(keep)
+    if options.comp_ctx_lengths:
+        ccl = graph_input(first_layer, contract.COMP_CTX_LENGTHS)
+        inputs.append(ccl)
 
     nodes, retained = [], []
     pro = ir.node(
@@ -319,6 +328,7 @@ def compose(lm: nn.Module, pieces: dict[str, Piece], options):
         call = ir.node(
             layer_function_name(lm, rep),
             [hidden, *shared, *([batch_index] if batch_index is not None else []), *past,
+             *([ccl] if ccl is not None else []),
              *(weight(t, f"layers.{i}.{j}") for j, t in enumerate(tensors))],
             domain=DOMAIN,
             num_outputs=len(LAYER_OUT),

@@ -90,13 +90,14 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 class KVExplicitLM(nn.Module):
     """``forward(input_ids, position_ids, [batch_index], [num_logits_to_keep], *kv) -> logits, *kv'``."""
 
-    def __init__(self, model: nn.Module, *, continuous_batching: bool, speculative: bool):
+    def __init__(self, model: nn.Module, *, continuous_batching: bool, speculative: bool, comp_ctx_lengths: bool = False):
         super().__init__()
         self.model = model
         self.config = model.config
         self.adapter = adapter_for(model.config)
         self.continuous_batching = continuous_batching
         self.speculative = speculative
+        self.comp_ctx_lengths = comp_ctx_lengths  # a `comp_ctx_lengths` input bounds the slots attention reads
         decoder = model.model
         self.layers = decoder.layers
         self.num_layers = len(decoder.layers)
@@ -115,11 +116,13 @@ class KVExplicitLM(nn.Module):
         rest = list(rest)
         batch_index = rest.pop(0) if self.continuous_batching else None  # [batch, 1]
         num_logits = rest.pop(0) if self.speculative else None  # [num_logits_to_keep, 1]
+        ccl = rest.pop(0) if self.comp_ctx_lengths else None  # [comp_ctx_lengths]
         assert len(rest) == 2 * self.num_layers, f"expected {2 * self.num_layers} KV inputs, got {len(rest)}"
         hidden, *shared = self.prologue(input_ids, position_ids)
         new_kv = []
         for i in range(self.num_layers):
-            hidden, keys, values = self.layer_step(i, hidden, *shared, batch_index, rest[2 * i], rest[2 * i + 1])
+            kv = (rest[2 * i], rest[2 * i + 1])
+            hidden, keys, values = self.layer_step(i, hidden, *shared, batch_index, *kv, ccl)
             new_kv.extend((keys, values))
         return (self.epilogue(hidden, shared[-1], num_logits), *new_kv)
 
@@ -136,17 +139,24 @@ class KVExplicitLM(nn.Module):
         hidden = self.model.model.embed_tokens(input_ids)  # [batch, seq, hidden]
         return hidden, cos, sin, query_pos, _write_anchor(position_ids, valid, steps), valid
 
-    def layer_step(self, i: int, hidden, cos, sin, query_pos, anchor, valid, batch_index, past_key, past_value):
-        """Decoder layer ``i`` over the static KV buffers; returns ``hidden, keys', values'``."""
+    def layer_step(
+        self, i: int, hidden, cos, sin, query_pos, anchor, valid, batch_index, past_key, past_value, ccl=None
+    ):
+        """Decoder layer ``i`` over the static KV buffers; returns ``hidden, keys', values'``.
+
+        ``ccl`` (compute context length): attention reads only slots ``[0, len(ccl))``; the caller
+        keeps every live position below it. The write still goes to the whole ``ctx_len`` buffer.
+        """
         layer = self.layers[i]
         key_pos = torch.arange(past_key.shape[2], dtype=torch.int64)  # [ctx_len]
         steps = torch.arange(hidden.shape[1], dtype=torch.int64)
         ctx_len = key_pos[-1:] + 1  # a tensor: the exporter cannot take a remainder by a symbolic int
         slots = torch.where(valid, query_pos, torch.remainder(anchor + steps, ctx_len))  # [batch, seq]
-        mask = _visible(query_pos, key_pos, self.windows[i])  # [batch, 1, 1, seq, ctx]
-        attn_out, (keys, values) = self._attention(
-            layer, layer.input_layernorm(hidden), cos, sin, mask, (past_key, past_value), slots, valid, batch_index
-        )
+        read = ccl.shape[0] if ccl is not None else None
+        mask = _visible(query_pos, key_pos[:read] if ccl is not None else key_pos, self.windows[i])  # [b, 1, 1, seq, read]
+        kv = (past_key, past_value)
+        x = layer.input_layernorm(hidden)
+        attn_out, (keys, values) = self._attention(layer, x, cos, sin, mask, kv, slots, valid, batch_index, read)
         hidden = hidden + attn_out
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return hidden, keys, values
@@ -172,7 +182,7 @@ class KVExplicitLM(nn.Module):
         sin = (emb.sin() * self.rope_scaling).unsqueeze(1)
         return cos, sin
 
-    def _attention(self, layer, x, cos, sin, mask, kv, slots, valid, batch_index):
+    def _attention(self, layer, x, cos, sin, mask, kv, slots, valid, batch_index, read):
         attn = layer.self_attn
         batch, seq, _ = x.shape
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
@@ -187,6 +197,8 @@ class KVExplicitLM(nn.Module):
 
         keys, new_keys = _write(kv[0], k, slots, valid, batch_index)
         values, new_values = _write(kv[1], v, slots, valid, batch_index)
+        if read is not None:  # only when bounded: a full-length slice would copy the whole buffer
+            keys, values = keys[:, :, :read], values[:, :, :read]  # [batch, kv, read, dim]
 
         groups = heads // kv_heads
         q = q.reshape(batch, kv_heads, groups, seq, dim)

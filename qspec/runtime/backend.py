@@ -15,6 +15,7 @@ Backends: ``ort`` (ONNX Runtime on the CPU, :class:`qspec.runtime.model.Compiled
 
 from __future__ import annotations
 
+import bisect
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,7 @@ import numpy as np
 from qspec import contract
 from qspec.errors import ConfigError
 from qspec.package import ONNX_FILE, Manifest, check_package
-from qspec.specializations import Specialization
+from qspec.specializations import Specialization, decode_specialization, prefill_specialization
 
 RUNTIME_BACKENDS = ("ort", "qaic")
 SessionMode = Literal["shared", "static"]  # ort: one session for every specialization, or one each
@@ -40,6 +41,7 @@ class Binding:
     position_ids: np.ndarray  # [batch_size, seq_len]
     batch_index: np.ndarray | None  # [batch_size, 1], continuous batching only
     logits: np.ndarray  # [batch_size, num_logits_to_keep, vocab]
+    comp_ctx_lengths: np.ndarray | None = None  # [comp_ctx_lengths]: only its length matters
 
     def reset(self) -> None:
         """Every row padding: token 0 at PAD_POSITION."""
@@ -55,6 +57,7 @@ def host_arrays(spec: Specialization, vocab_size: int, *, continuous_batching: b
         "position_ids": np.full((rows, seq), contract.PAD_POSITION, dtype=np.int64),
         "batch_index": np.arange(rows, dtype=np.int64)[:, None] if continuous_batching else None,
         "logits": np.zeros((rows, spec.num_logits_to_keep or 1, vocab_size), dtype=np.float32),
+        "comp_ctx_lengths": np.zeros(spec.comp_ctx_lengths, dtype=np.int64) if spec.comp_ctx_lengths else None,
     }
 
 
@@ -68,8 +71,8 @@ class LoadedModel(ABC):
     package: Path
     manifest: Manifest
     bindings: dict[Specialization, Binding]
-    prefill: Binding
-    decode: dict[int, Binding]  # K -> binding of the seq_len = K + 1 specialization
+    prefill: Binding  # the prefill binding of the largest compute-context-length bucket
+    decode: dict[int, Binding]  # K -> binding of the seq_len = K + 1 specialization (largest bucket)
 
     def _read_package(self, package: str | Path) -> None:
         """Shapes the runtime needs, from the manifest: Ks, ctx_len, KV rows, vocabulary."""
@@ -77,13 +80,20 @@ class LoadedModel(ABC):
         self.manifest = check_package(self.package)
         model = self.manifest.model
         specs = self.manifest.specializations
-        self.prefill_spec = specs[0]
-        self.decode_specs: dict[int, Specialization] = {}
-        for spec in specs[1:]:
-            self.decode_specs.setdefault(spec.num_speculative_tokens, spec)
-        if not self.decode_specs:  # prefill_seq_len == 1 and only K=0: the one shape serves both
-            self.decode_specs[0] = specs[0]
-        self.ks = sorted(self.decode_specs)
+        config = self.manifest.config
+        # Rebuilt from the config: equal to the package's shapes (a shape equal to an earlier one
+        # was dropped there, and the earlier one serves both: prefill_seq_len 1 and K=0).
+        self.prefill_buckets = config.buckets("prefill")
+        self.decode_buckets = config.buckets("decode")
+        self.prefill_specs = {c: prefill_specialization(config, c) for c in self.prefill_buckets}
+        self.bucket_specs = {
+            (k, c): decode_specialization(config, k, c)
+            for c in self.decode_buckets
+            for k in config.num_speculative_tokens
+        }
+        self.ks = list(config.num_speculative_tokens)
+        self.prefill_spec = self.prefill_specs[self.prefill_buckets[-1]]
+        self.decode_specs = {k: self.bucket_specs[(k, self.decode_buckets[-1])] for k in self.ks}
         self.ctx_len = self.prefill_spec.ctx_len
         self.rows = self.prefill_spec.full_batch_size or max(s.batch_size for s in specs)
         self.continuous_batching = model.continuous_batching
@@ -95,6 +105,14 @@ class LoadedModel(ABC):
         self.prefill = self.bindings[self.prefill_spec]
         self.decode = {k: self.bindings[spec] for k, spec in self.decode_specs.items()}
 
+    def prefill_for(self, end: int) -> Binding:
+        """The prefill binding of the smallest bucket that holds positions ``< end``."""
+        return self.bindings[self.prefill_specs[_bucket(self.prefill_buckets, end)]]
+
+    def decode_for(self, k: int, end: int) -> Binding:
+        """The K binding of the smallest bucket that holds positions ``< end`` (every row's, after the call)."""
+        return self.bindings[self.bucket_specs[(k, _bucket(self.decode_buckets, end))]]
+
     @abstractmethod
     def run(self, bound: Binding) -> np.ndarray:
         """One call with the inputs written into ``bound``'s arrays; returns its logits array."""
@@ -102,6 +120,15 @@ class LoadedModel(ABC):
     def weight_bytes(self) -> int:
         """Bytes of the weights streamed by every call (the memory-bandwidth floor's numerator)."""
         return sum(p.stat().st_size for p in self.package.glob(ONNX_FILE + "*"))
+
+
+def _bucket(buckets: list[int | None], end: int) -> int | None:
+    """The smallest compute context length ``>= end``: ``_bucket([256, 1024], 256) == 256``, ``(.., 257) == 1024``.
+
+    ``[None]`` (a graph without buckets) always gives ``None``; ``end`` never exceeds ctx_len, the last bucket.
+    """
+    i = bisect.bisect_left(buckets, end) if buckets[0] is not None else 0
+    return buckets[min(i, len(buckets) - 1)]
 
 
 def load_model(package: str | Path, *, backend: str = "ort", **options: Any) -> LoadedModel:

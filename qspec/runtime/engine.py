@@ -246,7 +246,7 @@ class Engine:
 
     def verify(self, k: int, batch: list[tuple[_Sequence, np.ndarray]]) -> np.ndarray:
         """One call of the ``seq_len = k + 1`` specialization; logits ``[rows, k + 1, vocab]``."""
-        bound = self.model.decode[k]
+        bound = self.model.decode_for(k, max(seq.position + len(drafts) + 1 for seq, drafts in batch))
         bound.reset()
         for seq, drafts in batch:
             n = len(drafts)

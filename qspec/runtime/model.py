@@ -102,6 +102,9 @@ class CompiledModel(LoadedModel):
         if arrays["batch_index"] is not None:
             values.append(ort.OrtValue.ortvalue_from_numpy(arrays["batch_index"]))
             binding.bind_ortvalue_input(contract.BATCH_INDEX, values[-1])
+        if arrays["comp_ctx_lengths"] is not None:
+            values.append(ort.OrtValue.ortvalue_from_numpy(arrays["comp_ctx_lengths"]))
+            binding.bind_ortvalue_input(contract.COMP_CTX_LENGTHS, values[-1])
         if self.speculative:
             keep_n = arrays["logits"].shape[1]
             values.append(ort.OrtValue.ortvalue_from_numpy(np.zeros((keep_n, 1), dtype=np.int64)))

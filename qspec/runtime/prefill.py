@@ -23,9 +23,8 @@ class PrefillRow:
     start: int = 0
 
 
-def _placed(model, rows: list[tuple[int, PrefillRow]]) -> list[tuple[int, int]]:
-    """(row of the prefill call, row index); sets ``batch_index`` under continuous batching."""
-    bound = model.prefill
+def _placed(model, bound, rows: list[tuple[int, PrefillRow]]) -> list[tuple[int, int]]:
+    """(row of the prefill call, row index); sets ``bound.batch_index`` under continuous batching."""
     if bound.batch_index is None:  # one KV row per call row: a row's call row is its slot
         return [(row.slot, i) for i, row in rows]
     used = {row.slot for _, row in rows}
@@ -42,17 +41,20 @@ def run_prefill(model, rows: Sequence[PrefillRow], on_last: OnLast) -> int:
 
     Rows go ``batch_size`` per call under continuous batching (all in one call otherwise, each on
     its slot's row). ``on_last(i, logits)`` is called once per row, with the logits after row
-    ``i``'s last token, as soon as the chunk holding it has run.
+    ``i``'s last token, as soon as the chunk holding it has run. Each chunk runs in the smallest
+    compute-context-length bucket that holds its positions.
     """
-    bound = model.prefill
-    chunk = bound.spec.seq_len
+    chunk = model.prefill.spec.seq_len
     indexed = list(enumerate(rows))
-    per_call = bound.spec.batch_size if bound.batch_index is not None else len(indexed)
+    per_call = model.prefill.spec.batch_size if model.prefill.batch_index is not None else len(indexed)
     calls = 0
     for at in range(0, len(indexed), per_call):
-        placed = _placed(model, indexed[at : at + per_call])
-        longest = max(len(rows[i].tokens) for _, i in placed)
+        group = indexed[at : at + per_call]
+        longest = max(len(row.tokens) for _, row in group)
         for offset in range(0, longest, chunk):
+            end = max(row.start + min(len(row.tokens), offset + chunk) for _, row in group)
+            bound = model.prefill_for(end)
+            placed = _placed(model, bound, group)
             bound.reset()
             for r, i in placed:
                 piece = rows[i].tokens[offset : offset + chunk]

@@ -98,6 +98,8 @@ class QaicModel(LoadedModel):
         inputs = {contract.INPUT_IDS: bound.input_ids, contract.POSITION_IDS: bound.position_ids}
         if bound.batch_index is not None:
             inputs[contract.BATCH_INDEX] = bound.batch_index
+        if bound.comp_ctx_lengths is not None:  # only its length matters: it selects the bucket
+            inputs[contract.COMP_CTX_LENGTHS] = bound.comp_ctx_lengths
         if self.speculative:  # only its shape matters: it selects the specialization
             inputs[contract.NUM_LOGITS_TO_KEEP] = np.zeros((bound.logits.shape[1], 1), dtype=np.int64)
         self.session.set_buffers({contract.LOGITS: bound.logits})
