@@ -14,9 +14,13 @@ from qspec.bench.report import MicroCall, MicroPackage
 
 
 def time_call(model, bound, iterations: int, *, warmup: int = 3) -> float:
-    """Median ms of ``iterations`` calls of one specialization, every row a live token run."""
+    """Median ms of ``iterations`` calls of one specialization, every row a live token run.
+
+    Rows end at position 255 (or at the bucket's or buffer's end, if smaller), so shapes that differ
+    only in their compute-context-length bucket are timed at the same positions.
+    """
     rows, seq = bound.input_ids.shape  # [batch_size, seq_len]
-    start = max(0, min(256, model.ctx_len - seq))
+    start = max(0, min(256, bound.spec.comp_ctx_lengths or model.ctx_len) - seq)
     bound.input_ids.fill(1)
     bound.position_ids[:] = np.arange(start, start + seq)
     if bound.batch_index is not None:
@@ -31,12 +35,22 @@ def time_call(model, bound, iterations: int, *, warmup: int = 3) -> float:
     return median(times) * 1000
 
 
+def _every_shape(model):
+    """(name, binding) of every specialization: ``prefill``, ``K=4``, and ``@256`` per bucket when bucketed."""
+    def at(ccl):
+        return f"@{ccl}" if ccl else ""
+
+    yield from ((f"prefill{at(c)}", model.prefill_for(c or model.ctx_len)) for c in model.prefill_buckets)
+    for c in model.decode_buckets:
+        yield from ((f"K={k}{at(c)}", model.decode_for(k, c or model.ctx_len)) for k in model.ks)
+
+
 def micro_benchmark(model, iterations: int, bandwidth: float, *, batch: int) -> MicroPackage:
     """One row per specialization of ``model`` (a loaded CompiledModel): median ms and the ratio to the floor."""
     weight_bytes = model.weight_bytes()
     floor_ms = weight_bytes / bandwidth * 1000
     calls = []
-    for name, bound in [("prefill", model.prefill), *((f"K={k}", model.decode[k]) for k in model.ks)]:
+    for name, bound in _every_shape(model):
         ms = time_call(model, bound, iterations)
         calls.append(
             MicroCall(
