@@ -223,6 +223,9 @@ def generate(
 
 def _register_optional() -> None:
     """Commands that live in their own modules."""
+    from qspec_cli.serve import serve
+
+    app.command()(serve)
     try:
         from qspec_cli.bench import bench
     except ImportError:  # pragma: no cover - bench is part of the package; guard for partial installs

@@ -6,8 +6,8 @@
 >>> out.text, out.metrics.mean_accepted_tokens, engine.last_metrics.output_tokens_per_s
 """
 
-from qspec.runtime.engine import Engine, RequestOutput, pick_k
+from qspec.runtime.engine import Engine, RequestDelta, RequestOutput, pick_k
 from qspec.runtime.metrics import EngineMetrics, RequestMetrics
 from qspec.runtime.sampling import SamplingParams
 
-__all__ = ["Engine", "EngineMetrics", "RequestMetrics", "RequestOutput", "SamplingParams", "pick_k"]
+__all__ = ["Engine", "EngineMetrics", "RequestDelta", "RequestMetrics", "RequestOutput", "SamplingParams", "pick_k"]

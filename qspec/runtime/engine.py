@@ -26,7 +26,7 @@ import bisect
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +71,23 @@ class RequestOutput:
 
 
 @dataclass
+class RequestDelta:
+    """What one request produced in one scheduler :meth:`Engine.step`."""
+
+    request_id: int
+    token_ids: list[int]  # new in this step
+    text: str  # new in this step (held back mid-character, cut before a stop string)
+    proposed: int = 0  # drafts verified for it in this step
+    accepted: int = 0  # of which accepted
+    finish_reason: str | None = None  # on its last delta: "stop", "length" or "abort"
+    output: RequestOutput | None = None  # on its last delta: the whole request
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
 class _Sequence:
     """A request in flight."""
 
@@ -85,6 +102,8 @@ class _Sequence:
     stream: TextStream | None = None
     rng: np.random.Generator | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    new_tokens: list[int] = field(default_factory=list)  # since the last delta
+    new_text: str = ""
 
     @property
     def remaining(self) -> int:
@@ -177,6 +196,11 @@ class Engine:
         self.dispatch = dispatch
         self.stats = AcceptanceStats(self.k_max)
         self.last_metrics: EngineMetrics | None = None
+        self.calls: dict[Any, int] = {"prefill": 0, **{k: 0 for k in self.ks}}  # since load
+        self._waiting: deque[_Sequence] = deque()
+        self._slots: list[_Sequence | None] = [None] * self.num_slots
+        self._updated: dict[int, _Sequence] = {}  # requests with news for the next delta
+        self._next_id = 0
         self.call_ms = self.warmup()
 
     def warmup(self, repeats: int = 3) -> dict[int, float]:
@@ -209,13 +233,13 @@ class Engine:
             return self.tokenizer.encode_chat(list(prompt))
         return [int(t) for t in prompt]
 
-    def _check_fits(self, index: int, prompt: list[int]) -> None:
+    def _check_fits(self, name: str, prompt: list[int]) -> None:
         ctx = self.model.ctx_len
         if not prompt:
-            raise ConfigError(f"prompt {index} is empty; give at least one token")
+            raise ConfigError(f"{name} is empty; give at least one token")
         if len(prompt) > ctx:
             raise PromptTooLongError(
-                f"prompt {index} has {len(prompt)} tokens but the package's ctx_len is {ctx}; "
+                f"{name} has {len(prompt)} tokens but the package's ctx_len is {ctx}; "
                 f"shorten the prompt or compile with --ctx-len {len(prompt) + 128} or more"
             )
 
@@ -271,7 +295,7 @@ class Engine:
             accepted, bonus = accept_sampled(probs, drafts, seq.rng, proposal.probs)
         return [*drafts[:accepted].tolist(), int(bonus)]
 
-    def step(self, live: list[_Sequence]) -> None:
+    def decode(self, live: list[_Sequence]) -> None:
         """One decode step for every live sequence: propose, pick K, verify, accept."""
         batch = list(zip(live, self.propose(live)))
         lengths = [len(p) for _, p in batch]
@@ -314,6 +338,8 @@ class Engine:
                 seq.finish_reason = "length"
                 break
         seq.last = kept[-1]
+        seq.new_tokens.extend(kept)
+        self._updated[seq.index] = seq
         if seq.stream is not None:
             new_text = seq.stream.push(kept)
             if seq.params.stop:
@@ -321,8 +347,7 @@ class Engine:
                 if cut is not None:
                     seq.finish_reason = "stop"
                     new_text = new_text[: max(0, len(new_text) - cut)]  # stream up to the stop string
-            if new_text and self._on_text is not None:
-                self._on_text(seq.index, new_text)
+            seq.new_text += new_text
         if seq.finish_reason is None and seq.position >= self.model.ctx_len:
             seq.finish_reason = "length"  # `last` has no slot left to be written to
         if seq.finish_reason is None:
@@ -344,6 +369,114 @@ class Engine:
         seq.stream.text = text[: min(matches)]
         return len(text) - min(matches)
 
+    # ------------------------------------------------------------------ scheduler
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding a KV slot."""
+        return sum(seq is not None for seq in self._slots)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests added and not yet admitted to a slot."""
+        return len(self._waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting) or self.num_running > 0
+
+    def check_prompt(self, prompt_ids: Sequence[int], *, name: str = "prompt") -> None:
+        """Raise unless ``prompt_ids`` fits the package's context (PromptTooLongError names both numbers)."""
+        self._check_fits(name, list(prompt_ids))
+
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None, *, arrival: float | None = None) -> int:
+        """Queue a request; it joins the batch at a later :meth:`step`. Returns its request id."""
+        ids = [int(t) for t in prompt_ids]
+        request_id = self._next_id
+        self._check_fits(f"prompt of request {request_id}", ids)
+        self._next_id += 1
+        params = params or SamplingParams()
+        seq = _Sequence(request_id, ids, params, stream=TextStream(self.tokenizer), rng=make_rng(params.seed))
+        seq.metrics.arrival = time.perf_counter() if arrival is None else arrival
+        self._waiting.append(seq)
+        return request_id
+
+    def abort(self, request_id: int) -> bool:
+        """Drop a request now: it leaves the queue or frees its slot; its last delta comes with the next step.
+
+        Returns False when the request is unknown or already finished.
+        """
+        waiting = next((seq for seq in self._waiting if seq.index == request_id), None)
+        if waiting is not None:
+            self._waiting.remove(waiting)
+            waiting.finish_reason = "abort"
+            waiting.metrics.finish(time.perf_counter(), len(waiting.output))
+            self._updated[request_id] = waiting
+            return True
+        for slot, seq in enumerate(self._slots):
+            if seq is not None and seq.index == request_id:
+                seq.finish_reason = "abort"
+                self._release(slot, time.perf_counter())
+                return True
+        return False
+
+    def step(self) -> list[RequestDelta]:
+        """One scheduler iteration: admit and prefill waiting requests into free slots, one decode step
+        for every live request, retire the finished. Returns what each request produced in it."""
+        self._admit()
+        live = [seq for seq in self._slots if seq is not None]
+        before = {seq.index: (seq.metrics.proposed, seq.metrics.accepted) for seq in live}
+        if live:
+            self.decode(live)
+        self._retire()
+        return self._drain(before)
+
+    def _admit(self) -> None:
+        """Move waiting requests into free slots and prefill them, ``batch_size`` per prefill call."""
+        per_call = self.model.prefill.spec.batch_size if self.model.continuous_batching else self.num_slots
+        slots = self._slots
+        while self._waiting and None in slots:
+            group = []
+            while self._waiting and None in slots and len(group) < per_call:
+                seq = self._waiting.popleft()
+                seq.slot = slots.index(None)
+                slots[seq.slot] = seq
+                self.proposer.start(seq.index, seq.prompt, seq.params, seq.rng)
+                group.append(seq)
+            self.prefill(group)
+            self._retire()
+
+    def _retire(self) -> None:
+        now = time.perf_counter()
+        for slot, seq in enumerate(self._slots):
+            if seq is not None and seq.finish_reason is not None:
+                self._release(slot, now)
+
+    def _release(self, slot: int, now: float) -> None:
+        seq = self._slots[slot]
+        seq.metrics.finish(now, len(seq.output))
+        self.proposer.finish(seq.index)
+        self._slots[slot] = None
+        self._updated[seq.index] = seq
+
+    def _drain(self, before: dict[int, tuple[int, int]] | None = None) -> list[RequestDelta]:
+        """The deltas of every request updated since the last drain (new tokens and text, speculation counts)."""
+        deltas = []
+        for seq in self._updated.values():
+            proposed, accepted = (before or {}).get(seq.index, (seq.metrics.proposed, seq.metrics.accepted))
+            delta = RequestDelta(
+                seq.index,
+                seq.new_tokens,
+                seq.new_text,
+                proposed=seq.metrics.proposed - proposed,
+                accepted=seq.metrics.accepted - accepted,
+                finish_reason=seq.finish_reason,
+                output=self._output(seq) if seq.finish_reason is not None else None,
+            )
+            seq.new_tokens, seq.new_text = [], ""
+            deltas.append(delta)
+        self._updated = {}
+        return deltas
+
     # ------------------------------------------------------------------ orchestration
 
     def generate(
@@ -359,7 +492,8 @@ class Engine:
         ``prompts``: a string, a list of token ids, chat messages, or a list of those.
         ``params``: one :class:`SamplingParams` for all, or one per prompt (default: greedy, 128 tokens).
         ``on_text(index, text)`` receives each request's text as it is generated.
-        Metrics of the call are in :attr:`last_metrics`.
+        Metrics of the call are in :attr:`last_metrics`. A thin loop over :meth:`add_request` and
+        :meth:`step`; the engine must have no request of its own in flight.
         """
         if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], (int, np.integer, dict))):
             prompts = [prompts]
@@ -368,57 +502,31 @@ class Engine:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ConfigError(f"got {len(params)} sampling params for {len(prompts)} prompts; give one or one per prompt")
+        if self.has_unfinished():
+            raise ConfigError("generate() needs an idle engine: requests added with add_request() are still in flight")
         encoded = [self.encode(p, chat=chat) for p in prompts]
         for i, ids in enumerate(encoded):
-            self._check_fits(i, ids)
-        self._on_text = on_text
-        self.calls: dict[Any, int] = {"prefill": 0, **{k: 0 for k in self.ks}}
+            self._check_fits(f"prompt {i}", ids)
+        calls_before = dict(self.calls)
         start = time.perf_counter()
-        waiting = deque(
-            _Sequence(i, ids, p, stream=TextStream(self.tokenizer), rng=make_rng(p.seed))
-            for i, (ids, p) in enumerate(zip(encoded, params))
-        )
-        for seq in waiting:
-            seq.metrics.arrival = start
-        slots: list[_Sequence | None] = [None] * self.num_slots
-        done: list[_Sequence] = []
+        order = {self.add_request(ids, p, arrival=start): i for i, (ids, p) in enumerate(zip(encoded, params))}
+        outputs: list[RequestOutput | None] = [None] * len(order)
         try:
-            while waiting or any(slots):
-                self._admit(waiting, slots, done)
-                live = [seq for seq in slots if seq is not None]
-                if live:
-                    self.step(live)
-                self._retire(slots, done)
+            while self.has_unfinished():
+                for delta in self.step():
+                    index = order[delta.request_id]
+                    if delta.text and on_text is not None:
+                        on_text(index, delta.text)
+                    if delta.output is not None:
+                        outputs[index] = replace(delta.output, index=index)
         finally:
-            for seq in [s for s in slots if s is not None]:
-                self.proposer.finish(seq.index)
+            for request_id in order:
+                self.abort(request_id)
+            self._drain()
         wall = time.perf_counter() - start
-        outputs = [self._output(seq) for seq in sorted(done, key=lambda s: s.index)]
-        self.last_metrics = aggregate([o.metrics for o in outputs], wall, self.calls)
+        calls = {k: n - calls_before[k] for k, n in self.calls.items()}
+        self.last_metrics = aggregate([o.metrics for o in outputs], wall, calls)
         return outputs
-
-    def _admit(self, waiting: deque, slots: list, done: list) -> None:
-        """Move waiting requests into free slots and prefill them, ``batch_size`` per prefill call."""
-        per_call = self.model.prefill.spec.batch_size if self.model.continuous_batching else self.num_slots
-        while waiting and None in slots:
-            group = []
-            while waiting and None in slots and len(group) < per_call:
-                seq = waiting.popleft()
-                seq.slot = slots.index(None)
-                slots[seq.slot] = seq
-                self.proposer.start(seq.index, seq.prompt, seq.params, seq.rng)
-                group.append(seq)
-            self.prefill(group)
-            self._retire(slots, done)
-
-    def _retire(self, slots: list, done: list) -> None:
-        now = time.perf_counter()
-        for i, seq in enumerate(slots):
-            if seq is not None and seq.finish_reason is not None:
-                seq.metrics.finish(now, len(seq.output))
-                self.proposer.finish(seq.index)
-                done.append(seq)
-                slots[i] = None
 
     def _output(self, seq: _Sequence) -> RequestOutput:
         text = seq.stream.text if seq.stream is not None else self.tokenizer.decode(seq.output)

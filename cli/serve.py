@@ -1,0 +1,80 @@
+"""``qspec serve`` and ``qspec serve-load``: thin Typer layers over :mod:`qspec.serve`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from qspec_cli.common import console, run_guarded
+
+MethodOption = Annotated[str, typer.Option(help="Speculative method: none, pld, suffix or draft.")]
+
+
+def _require_serve_extra() -> None:
+    from qspec.errors import ConfigError
+
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError(f"qspec serve needs the serve extra ({exc.name} is missing): pip install 'qspec[serve]'") from None
+
+
+def method_options(method: str, *, prompt_lookup_min: int, prompt_lookup_max: int, draft_package: Optional[Path]) -> dict[str, Any]:
+    from qspec.errors import ConfigError
+
+    if method == "pld":
+        return {"prompt_lookup_min": prompt_lookup_min, "prompt_lookup_max": prompt_lookup_max}
+    if method == "draft":
+        if draft_package is None:
+            raise ConfigError("--method draft needs --draft-package DIR (compile one with `qspec compile --num-layers N`)")
+        return {"draft_package": draft_package}
+    return {}
+
+
+def serve(
+    package: Annotated[Path, typer.Argument(help="A package directory written by `qspec compile`.")],
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    method: MethodOption = "pld",
+    prompt_lookup_min: Annotated[int, typer.Option(help="pld: smallest n-gram to match.")] = 1,
+    prompt_lookup_max: Annotated[int, typer.Option(help="pld: largest n-gram to match.")] = 3,
+    draft_package: Annotated[Optional[Path], typer.Option(help="draft: the draft model's package.")] = None,
+    dispatch: Annotated[str, typer.Option(help="cover: smallest K covering the drafts; cost: most tokens per ms.")] = "cover",
+    max_batch_size: Annotated[Optional[int], typer.Option(help="Requests in the running batch (default: all KV slots).")] = None,
+    max_waiting: Annotated[int, typer.Option(help="Requests that may wait for a slot; past it: 429.")] = 64,
+    served_model_name: Annotated[Optional[str], typer.Option(help="The `model` clients send (default: the package folder's name).")] = None,
+    shutdown_timeout: Annotated[float, typer.Option(help="Seconds in-flight requests get to finish on SIGINT/SIGTERM.")] = 10.0,
+    log_level: Annotated[str, typer.Option(help="uvicorn log level (debug logs every request).")] = "info",
+) -> None:
+    """Serve PACKAGE with an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /metrics)."""
+
+    def work() -> None:
+        _require_serve_extra()
+        from qspec.serve.server import ServeOptions, build, make_server
+        from qspec_cli.common import status
+
+        options = ServeOptions.create(
+            package=package,
+            host=host,
+            port=port,
+            method=method,
+            method_options=method_options(method, prompt_lookup_min=prompt_lookup_min, prompt_lookup_max=prompt_lookup_max, draft_package=draft_package),
+            dispatch=dispatch,
+            max_batch_size=max_batch_size,
+            served_model_name=served_model_name,
+            max_waiting=max_waiting,
+            shutdown_timeout=shutdown_timeout,
+            log_level=log_level,
+        )
+        with status("loading the package"):
+            app, worker = build(options)
+        console.print(
+            f"serving [bold]{options.model_name}[/] ({method}, {worker.engine.num_slots} slots) on http://{host}:{port}/v1"
+        )
+        make_server(app, options).run()
+
+    run_guarded(work)
