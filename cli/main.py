@@ -223,9 +223,10 @@ def generate(
 
 def _register_optional() -> None:
     """Commands that live in their own modules."""
-    from qspec_cli.serve import serve
+    from qspec_cli.serve import serve, serve_load
 
     app.command()(serve)
+    app.command("serve-load")(serve_load)
     try:
         from qspec_cli.bench import bench
     except ImportError:  # pragma: no cover - bench is part of the package; guard for partial installs

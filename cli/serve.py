@@ -78,3 +78,51 @@ def serve(
         make_server(app, options).run()
 
     run_guarded(work)
+
+
+def serve_load(
+    package: Annotated[Path, typer.Argument(help="A package with several KV slots (`qspec compile ... --full-batch-size 4`).")],
+    methods: Annotated[str, typer.Option(help="Methods to serve, one server each, e.g. pld,none.")] = "pld,none",
+    requests: Annotated[int, typer.Option(help="Requests per method (MT-bench first turns).")] = 64,
+    concurrency: Annotated[int, typer.Option(help="Clients in flight at most.")] = 32,
+    rate: Annotated[float, typer.Option(help="Poisson arrivals per second.")] = 4.0,
+    max_tokens: Annotated[int, typer.Option(help="max_tokens of every request.")] = 128,
+    time_limit: Annotated[float, typer.Option(help="Seconds one method's run may take at most.")] = 600.0,
+    verify: Annotated[bool, typer.Option(help="Compare every response with the engine's greedy output.")] = True,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the reports as JSON.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the reports as JSON.")] = False,
+) -> None:
+    """Load-test `qspec serve` on loopback: concurrent streaming clients, Poisson arrivals, bounded."""
+
+    def work() -> None:
+        import json
+
+        _require_serve_extra()
+        from qspec.errors import QSpecError
+        from qspec.serve.load import LoadOptions, run_load
+        from qspec_cli.common import status
+
+        options = LoadOptions.create(requests=requests, concurrency=concurrency, rate=rate, max_tokens=max_tokens, time_limit_s=time_limit)
+        with status("load run") as say:
+            reports = run_load(package, [m.strip() for m in methods.split(",") if m.strip()], options, verify=verify, progress=say)
+        dumped = [r.model_dump() for r in reports]
+        if output is not None:
+            output.write_text(json.dumps(dumped, indent=2))
+        if as_json:
+            print(json.dumps(dumped, indent=2))
+        else:
+            print(f"{'method':8} {'ok':>5} {'req/s':>7} {'out tok/s':>9} {'TTFT p50/p99 ms':>17} {'ITL p50/p99 ms':>15} {'TPOT p50':>8} {'accept':>7} {'mean len':>8}")
+            for r in reports:
+                rate_text = f"{r.acceptance_rate:.0%}" if r.acceptance_rate is not None else "-"
+                length = f"{r.mean_acceptance_length:.2f}" if r.mean_acceptance_length is not None else "-"
+                print(
+                    f"{r.method:8} {r.completed:>2}/{r.requests:<2} {r.requests_per_s:7.3f} {r.output_tokens_per_s:9.1f} "
+                    f"{r.ttft_ms_p50:8.0f}/{r.ttft_ms_p99:<8.0f} {r.itl_ms_p50:7.1f}/{r.itl_ms_p99:<7.1f} {r.tpot_ms_p50:8.1f} {rate_text:>7} {length:>8}"
+                )
+        bad = [(r.method, r.failed, len(r.mismatched)) for r in reports if r.failed or r.mismatched]
+        if bad:
+            raise QSpecError("; ".join(f"{m}: {f} requests lost, {g} differ from the engine's greedy output" for m, f, g in bad))
+        if verify:
+            console.print("every response equals the engine's greedy output for its prompt")
+
+    run_guarded(work)

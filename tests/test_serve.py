@@ -322,3 +322,29 @@ def test_cli_serve_and_sigterm(package, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.slow
+def test_smollm2_concurrent_chat_equals_generate(tmp_path, monkeypatch):
+    """The real model, 2 KV slots, prompt lookup: 8 concurrent MT-bench chats equal Engine.generate's greedy text."""
+    from pathlib import Path
+
+    from tests.test_smollm2 import mt_bench_prompts, smollm2_path
+
+    monkeypatch.setenv("QSPEC_CACHE_DIR", os.environ.get("QSPEC_REAL_CACHE_DIR") or str(Path.home() / ".cache" / "qspec"))
+    config = make_config(num_speculative_tokens="0,4", prefill_seq_len=32, ctx_len=512, full_batch_size=2)
+    package = compile_package(smollm2_path(), CompileOptions(specialization=config), output=tmp_path / "pkg")[0]
+    prompts = mt_bench_prompts()
+    refs = [o.text for o in Engine(package, method="none").generate(prompts, SamplingParams(max_new_tokens=48), chat=True)]
+    server = Server(package, method="pld")
+    try:
+        def chat(i: int) -> str:
+            time.sleep(0.2 * i)
+            messages = [{"role": "user", "content": prompts[i]}]
+            return server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=48, temperature=0).choices[0].message.content
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            assert list(pool.map(chat, range(len(prompts)))) == refs
+        assert server.metrics()["qspec:spec_decode_num_drafts_total"] > 0
+    finally:
+        server.stop()
