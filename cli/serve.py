@@ -7,7 +7,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from qspec_cli.common import console, run_guarded
+from qspec_cli.common import DispatchOption, DraftPackageOption, console, run_guarded
 
 MethodOption = Annotated[str, typer.Option(help="Speculative method: none, pld, suffix or draft.")]
 
@@ -42,8 +42,8 @@ def serve(
     method: MethodOption = "pld",
     prompt_lookup_min: Annotated[int, typer.Option(help="pld: smallest n-gram to match.")] = 1,
     prompt_lookup_max: Annotated[int, typer.Option(help="pld: largest n-gram to match.")] = 3,
-    draft_package: Annotated[Optional[Path], typer.Option(help="draft: the draft model's package.")] = None,
-    dispatch: Annotated[str, typer.Option(help="cover: smallest K covering the drafts; cost: most tokens per ms.")] = "cover",
+    draft_package: DraftPackageOption = None,
+    dispatch: DispatchOption = "cover",
     max_batch_size: Annotated[Optional[int], typer.Option(help="Requests in the running batch (default: all KV slots).")] = None,
     max_waiting: Annotated[int, typer.Option(help="Requests that may wait for a slot; past it: 429.")] = 64,
     served_model_name: Annotated[Optional[str], typer.Option(help="The `model` clients send (default: the package folder's name).")] = None,

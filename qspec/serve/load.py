@@ -25,9 +25,8 @@ from pydantic import BaseModel, Field
 
 from qspec.errors import ConfigError
 from qspec.serve.server import free_port
-from qspec.specializations import FrozenModel
+from qspec.common import FrozenModel
 
-MT_BENCH = Path(__file__).resolve().parent.parent / "data" / "mt_bench" / "question.jsonl"
 SERVED_NAME = "load"
 
 
@@ -72,13 +71,14 @@ class LoadReport(BaseModel):
 
 def mt_bench_prompts(n: int) -> list[str]:
     """First turns of MT-bench, categories interleaved (writing, roleplay, ..., writing, ...), the first ``n``."""
-    questions = [json.loads(line) for line in MT_BENCH.read_text().splitlines() if line.strip()]
+    from qspec.prompts import SHIPPED_MT_BENCH, load_prompts
+
     seen: dict[str, int] = {}
     ranked = []
-    for q in questions:
-        rank = seen.get(q["category"], 0)
-        seen[q["category"]] = rank + 1
-        ranked.append((rank, len(ranked), q["turns"][0]))
+    for record in load_prompts(SHIPPED_MT_BENCH):
+        rank = seen.get(record.category, 0)
+        seen[record.category] = rank + 1
+        ranked.append((rank, len(ranked), record.turns[0]))
     return [text for _, _, text in sorted(ranked)][:n]
 
 

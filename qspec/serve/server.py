@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import Field
 
-from qspec.specializations import FrozenModel
+from qspec.common import FrozenModel
 
 
 class ServeOptions(FrozenModel):
