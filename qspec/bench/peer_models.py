@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from qspec.bench.report import PeerBuild
@@ -80,7 +81,11 @@ def write_hf_folder(gguf: str, folder: Path) -> None:
     tokenizer.save_pretrained(folder)
 
 
-def hf_folder(gguf: str, root: Path) -> PeerBuild:
+def _say_nothing(message: str) -> None:
+    pass
+
+
+def hf_folder(gguf: str, root: Path, say: Callable[[str], None] = _say_nothing) -> PeerBuild:
     """``root/hf``: the GGUF as a Hugging Face folder, made in a worker process (torch stays out of the bench)."""
     from qspec.bench.workers import Worker
 
@@ -88,6 +93,7 @@ def hf_folder(gguf: str, root: Path) -> PeerBuild:
     cached = read_build(folder)
     if cached is not None:
         return cached
+    say("writing the GGUF as a Hugging Face folder for ONNX Runtime GenAI's builder")
     staging = _staging(folder)
     begin = time.perf_counter()
     worker = Worker("peer_hf_folder", gguf, str(staging))
@@ -115,13 +121,14 @@ def _last_line(text: str) -> str:
     return lines[-1].strip() if lines else "no message"
 
 
-def build_ort_genai(hf: Path, precision: str, root: Path, version: str) -> PeerBuild:
+def build_ort_genai(hf: Path, precision: str, root: Path, version: str, say: Callable[[str], None] = _say_nothing) -> PeerBuild:
     """``root/ort-genai-<version>-<precision>``: the model builder's CPU graph, built once and timed."""
     assert precision in ORT_GENAI_PRECISIONS, f"precision {precision!r} not in {ORT_GENAI_PRECISIONS}"
     folder = root / f"ort-genai-{version}-{precision}"
     cached = read_build(folder)
     if cached is not None:
         return cached
+    say(f"ONNX Runtime GenAI's builder: the {precision} graph")
     staging = _staging(folder)
     command = builder_command(hf, staging, precision, root / "builder-cache")
     begin = time.perf_counter()

@@ -149,15 +149,13 @@ class OrtGenaiRunner(PeerRunner):
         root = peers_root(self.digest)
         hf = Path(self.source)
         if self.source.endswith(".gguf"):
-            steps.say("writing the GGUF as a Hugging Face folder for ONNX Runtime GenAI's builder")
             try:
-                made = hf_folder(self.source, root)
+                made = hf_folder(self.source, root, steps.say)
             except BenchError as exc:
                 raise PeerUnavailable(str(exc)) from None
             self.builds.append(made)
             hf = Path(made.folder)
-        steps.say(f"ONNX Runtime GenAI's builder: {self.precision} graph")
-        build = build_ort_genai(hf, self.precision, root, version("onnxruntime-genai"))
+        build = build_ort_genai(hf, self.precision, root, version("onnxruntime-genai"), steps.say)
         self.builds.append(build)
         return [build.folder, self.threads, self.eos_token_ids, self.ctx_len, ORT_GENAI_NGRAM]
 

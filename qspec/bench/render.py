@@ -33,7 +33,9 @@ def _calls_per_k(calls: dict[str, int]) -> str:
 
 def _header(report: BenchReport) -> list[str]:
     meta, options, machine = report.meta, report.meta.options, report.meta.machine
-    versions = "".join(f", {name} {version}" for info in meta.runners.values() for name, version in info.versions.items())
+    named = {name: version for info in meta.runners.values() for name, version in info.versions.items()}
+    named.pop("onnxruntime", None)  # already said, from the engine's process
+    versions = "".join(f", {name} {version}" for name, version in named.items())
     phases = ", ".join(f"{k.removesuffix('_s').replace('_', ' ')} {v} s" for k, v in meta.phases.items())
     lines = [
         "# qspec bench",
