@@ -47,7 +47,7 @@ def bench(
     prefill_seq_len: PrefillSeqLenOption = DEFAULT_PREFILL_SEQ_LEN,
     num_threads: Annotated[Optional[int], typer.Option(help="Threads for ONNX Runtime and torch (default: all cores).")] = None,
     packages_dir: Annotated[Optional[Path], typer.Option(help="Where compiled packages are cached.")] = None,
-    dispatch: DispatchOption = "cover",
+    dispatch: DispatchOption = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="Print the whole report as JSON on stdout.")] = False,
 ) -> None:
     """Benchmark none / fixed K / variable K (and transformers, ONNX Runtime GenAI, llama.cpp) on a prompt set; write a report."""

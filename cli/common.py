@@ -32,7 +32,10 @@ CclDecodeOption = Annotated[
 ]
 DraftPackageOption = Annotated[Optional[Path], typer.Option(help="The draft model's package (method draft).")]
 DispatchOption = Annotated[
-    str, typer.Option(help="cover: smallest K covering the drafts; cost: most tokens per ms.")
+    str,
+    typer.Option(
+        help="cover: smallest K covering the drafts; cost: most tokens per ms; auto: cover at batch 1, cost above."
+    ),
 ]
 
 

@@ -170,7 +170,7 @@ def generate(
     prompt_lookup_max: Annotated[int, typer.Option(help="pld: largest n-gram to match.")] = 3,
     draft_package: DraftPackageOption = None,
     max_batch_size: Annotated[Optional[int], typer.Option(help="Sequences in flight (default: all KV slots).")] = None,
-    dispatch: DispatchOption = "cover",
+    dispatch: DispatchOption = "auto",
     backend: Annotated[str, typer.Option(help="ort (ONNX Runtime, CPU) or qaic (the package's QPC on Cloud AI 100).")] = "ort",
     chat: Annotated[bool, typer.Option(help="Apply the tokenizer's chat template.")] = False,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,

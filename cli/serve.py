@@ -43,7 +43,7 @@ def serve(
     prompt_lookup_min: Annotated[int, typer.Option(help="pld: smallest n-gram to match.")] = 1,
     prompt_lookup_max: Annotated[int, typer.Option(help="pld: largest n-gram to match.")] = 3,
     draft_package: DraftPackageOption = None,
-    dispatch: DispatchOption = "cover",
+    dispatch: DispatchOption = "auto",
     max_batch_size: Annotated[Optional[int], typer.Option(help="Requests in the running batch (default: all KV slots).")] = None,
     max_waiting: Annotated[int, typer.Option(help="Requests that may wait for a slot; past it: 429.")] = 64,
     served_model_name: Annotated[Optional[str], typer.Option(help="The `model` clients send (default: the package folder's name).")] = None,

@@ -318,3 +318,12 @@ def test_compute_context_buckets_keep_greedy_output(model, tmp_path, reference, 
         assert {ccl for _, ccl, _, _ in decode} == ({16, 32, 64} if fbs is None else {32, 64})
         if method == "pld" and fbs is None:
             assert any(first < 16 <= last for _, _, first, last in decode), "a draft must cross a bucket edge"
+
+
+def test_auto_dispatch_covers_at_batch_one_and_costs_above(packages):
+    """The default dispatch is `cover` for one sequence in flight and `cost` when rows share a call."""
+    assert Engine(packages["0,4"], method="pld").dispatch == "cover"
+    assert Engine(packages["cb"], method="pld").dispatch == "cost"
+    assert Engine(packages["cb"], method="pld", max_batch_size=1).dispatch == "cover"
+    with pytest.raises(ConfigError, match="dispatch 'fast': use auto, cover, cost"):
+        Engine(packages["0,4"], dispatch="fast")

@@ -46,7 +46,7 @@ class BenchOptions(FrozenModel):
     draft_package: Path | None = None
     num_threads: int | None = Field(default=None, ge=1)
     packages_dir: Path | None = None  # None: <qspec cache>/bench-packages
-    dispatch: Literal["cover", "cost"] = "cover"  # how speculative configurations pick K
+    dispatch: Literal["auto", "cover", "cost"] = "auto"  # how speculative configurations pick K
 
     @field_validator("batch_sizes", mode="before")
     @classmethod

@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+DISPATCH_MODES = ("auto", "cover", "cost")  # auto: cover with one sequence in flight, cost with more
 PRIOR_ACCEPTED = 1.0  # a weak prior of c_i = 0.5 until drafts have been verified
 PRIOR_TRIED = 2.0
 

@@ -24,7 +24,7 @@ class ServeOptions(FrozenModel):
     port: int = Field(default=8000, ge=0, le=65535)
     method: str = "pld"
     method_options: dict[str, Any] = Field(default_factory=dict)
-    dispatch: str = "cover"
+    dispatch: str = "auto"
     max_batch_size: int | None = Field(default=None, ge=1)
     served_model_name: str | None = None
     max_waiting: int = Field(default=64, ge=0)
