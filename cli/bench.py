@@ -10,6 +10,8 @@ import typer
 from qspec_cli.common import (
     DEFAULT_CTX_LEN,
     DEFAULT_PREFILL_SEQ_LEN,
+    CclDecodeOption,
+    CclPrefillOption,
     CtxLenOption,
     DispatchOption,
     DraftPackageOption,
@@ -45,6 +47,8 @@ def bench(
     round_size: Annotated[Optional[int], typer.Option(help="Prompts per interleaving round.")] = None,
     ctx_len: CtxLenOption = DEFAULT_CTX_LEN,
     prefill_seq_len: PrefillSeqLenOption = DEFAULT_PREFILL_SEQ_LEN,
+    comp_ctx_lengths_prefill: CclPrefillOption = None,
+    comp_ctx_lengths_decode: CclDecodeOption = None,
     num_threads: Annotated[Optional[int], typer.Option(help="Threads for ONNX Runtime and torch (default: all cores).")] = None,
     packages_dir: Annotated[Optional[Path], typer.Option(help="Where compiled packages are cached.")] = None,
     dispatch: DispatchOption = "auto",
@@ -60,6 +64,7 @@ def bench(
             batch_sizes=batch_sizes, methods=methods, k_lists=k_lists, draft_package=draft_package,
             baselines=baselines, peers=peers, memory=memory, micro_iterations=micro_iterations, round_size=round_size,
             ctx_len=ctx_len, prefill_seq_len=prefill_seq_len, num_threads=num_threads, packages_dir=packages_dir,
+            comp_ctx_lengths_prefill=comp_ctx_lengths_prefill, comp_ctx_lengths_decode=comp_ctx_lengths_decode,
             dispatch=dispatch,
         )
         report = _run_with_progress(model, options, run_bench)

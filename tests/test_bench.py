@@ -54,6 +54,7 @@ def bench_run(tiny_model, prompts_file, tmp_path_factory):
         "--per-category", "0", "--turns", "2", "--max-new-tokens", "12", "--batch-sizes", "1,2",
         "--methods", "pld", "--k-lists", "4;0,4", "--micro-iterations", "2", "--round-size", "2",
         "--ctx-len", "128", "--prefill-seq-len", "8", "--packages-dir", str(out / "packages"),
+        "--comp-ctx-lengths-prefill", "32", "--comp-ctx-lengths-decode", "32,64",
     ]
     with pytest.MonkeyPatch.context() as patch:  # the peers as where they are not installed (CI), whatever is here
         for peer in PEER_MODULES:
@@ -104,7 +105,10 @@ def test_report_has_targets_micro_and_memory(bench_run):
     assert all(t.status in ("PASS", "MISS", "n/a") for t in report.targets)
     assert any("peak RSS" in t.target and t.status != "n/a" for t in report.targets)
     calls = report.micro.packages[0].calls
-    assert [c.specialization for c in calls] == ["prefill", "K=0", "K=4"]
+    assert [c.specialization for c in calls] == [  # every K in every bucket (128 = ctx_len is always one)
+        "prefill@32", "prefill@128", "K=0@32", "K=4@32", "K=0@64", "K=4@64", "K=0@128", "K=4@128"
+    ]
+    assert any(t.target.startswith("K=4 call, bucket 256") for t in report.targets) is False  # no 256 bucket here
     probe = report.memory.probes["pld[0,4]@1"]
     assert probe.peak_rss_mb >= probe.rss_loaded_mb > 0
     assert report.memory.ratio > 0
@@ -203,3 +207,20 @@ def test_options_from_flags(tmp_path):
     assert bench_options(full=True).batch_sizes == (1, 2, 4, 8)
     assert "draft" in bench_options(draft_package=tmp_path).methods
     assert bench_options(draft_package=tmp_path, methods="pld,draft").methods == ("pld", "draft")
+
+
+def test_micro_targets_against_the_floor_and_the_small_bucket():
+    """K=0 / K=4 against the floor in the full bucket; K=4 at 256 against K=4 at ctx_len."""
+    from qspec.bench.report import MicroCall, MicroPackage, MicroReport
+    from qspec.bench.targets import _micro_targets
+
+    def call(name, ms):  # floor 20 ms
+        return MicroCall(specialization=name, shape="", median_ms=ms, tokens_per_call=1, ratio_to_floor=ms / 20)
+
+    calls = [call("K=0@256", 21.0), call("K=4@256", 24.0), call("K=0@1024", 22.0), call("K=4@1024", 32.0)]
+    package = MicroPackage(batch=1, package="p", weight_bytes=1, floor_ms=20.0, iterations=1, calls=calls)
+    targets = {t.target: t for t in _micro_targets(MicroReport(copy_bandwidth_gb_s=1.0, packages=[package]))}
+    assert targets["K=0 call / weight-streaming floor (batch 1)"].status == "PASS"  # 22 / 20 = 1.10
+    assert targets["K=4 call / weight-streaming floor (batch 1)"].status == "MISS"  # 32 / 20 = 1.60
+    assert targets["K=4 call, bucket 256 / bucket 1024, positions < 256"].measured.startswith("0.75 x")
+    assert _micro_targets(None) == []

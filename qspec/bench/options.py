@@ -43,6 +43,9 @@ class BenchOptions(FrozenModel):
     round_size: int = Field(default=8, ge=1)
     ctx_len: int = Field(default=1024, ge=2)
     prefill_seq_len: int = Field(default=32, ge=1)
+    # Compute-context-length buckets of the packages the bench compiles ("" or None: none).
+    comp_ctx_lengths_prefill: str | None = "256"
+    comp_ctx_lengths_decode: str | None = "256,512"
     draft_package: Path | None = None
     num_threads: int | None = Field(default=None, ge=1)
     packages_dir: Path | None = None  # None: <qspec cache>/bench-packages

@@ -99,7 +99,10 @@ def resolve_model(model: str, options: BenchOptions) -> ResolvedModel:
 def package_name(model: str, batch: int, ks: Sequence[int], options: BenchOptions) -> str:
     """``smollm2-b1-k0_4-ctx1024-p32``: what a bench package is cached as."""
     stem = Path(str(model).rstrip("/")).name.removesuffix(".gguf")
-    return f"{stem}-b{batch}-k{'_'.join(map(str, ks))}-ctx{options.ctx_len}-p{options.prefill_seq_len}"
+    name = f"{stem}-b{batch}-k{'_'.join(map(str, ks))}-ctx{options.ctx_len}-p{options.prefill_seq_len}"
+    for tag, buckets in (("cp", options.comp_ctx_lengths_prefill), ("cd", options.comp_ctx_lengths_decode)):
+        name += f"-{tag}{buckets.replace(',', '_')}" if buckets else ""
+    return name
 
 
 def compile_for(model: str, batch: int, ks: Sequence[int], options: BenchOptions, root: Path) -> Path:
@@ -112,6 +115,8 @@ def compile_for(model: str, batch: int, ks: Sequence[int], options: BenchOptions
         ctx_len=options.ctx_len,
         prefill_seq_len=options.prefill_seq_len,
         full_batch_size=batch if batch > 1 else None,
+        comp_ctx_lengths_prefill=options.comp_ctx_lengths_prefill or None,
+        comp_ctx_lengths_decode=options.comp_ctx_lengths_decode or None,
     )
     output = root / package_name(model, batch, ks, options)
     folder, _, _ = compile_package(model, CompileOptions.create(specialization=spec), output=output)

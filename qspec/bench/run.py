@@ -266,7 +266,7 @@ def build_report(plan: BenchPlan, packages: Packages, measured: Measured, *, sta
         micro=measured.micro,
         memory=measured.memory,
         equality=equality_checks(collected),
-        targets=evaluate_targets(summaries, measured.memory),
+        targets=evaluate_targets(summaries, measured.memory, measured.micro),
         outputs={key: c.tokens() for key, c in collected.items()},
     )
 

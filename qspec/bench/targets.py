@@ -5,7 +5,7 @@ from __future__ import annotations
 from qspec.bench.analysis import ratio
 from qspec.bench.plan import HF_GREEDY, HF_LOOKUP, HF_LOOKUP_TOKENS, QSPEC
 from qspec.bench.peers import LLAMA_CPP, ORT_GENAI
-from qspec.bench.report import ConfigSummary, MemoryReport, Target
+from qspec.bench.report import ConfigSummary, MemoryReport, MicroReport, Target
 
 TARGET_CATEGORY_FLOOR = 0.98  # variable K / none on every category, batch 1
 TARGET_VARIABLE_SPEEDUP = 1.3  # variable K / none requests/s, batch 1
@@ -15,6 +15,9 @@ TARGET_MEMORY_RATIO = 1.3  # peak RSS with 5 specializations / with 1
 TARGET_VS_PEER_GREEDY = 1.0  # qspec none / ONNX Runtime GenAI greedy at the same weight format, tokens/s
 TARGET_VS_PEER_NGRAM = 1.3  # qspec variable K pld / ONNX Runtime GenAI n-gram speculation, tokens/s
 TARGET_VS_PEER_LOOKUP = 1.0  # qspec variable K pld / llama.cpp prompt lookup, tokens/s
+TARGET_FLOOR = {"K=0": 1.15, "K=4": 1.3}  # a batch-1 call / the weight-streaming floor
+TARGET_CCL_RATIO = 0.8  # K=4 call in the 256 bucket / the same call in the ctx_len bucket, positions < 256
+TARGET_BATCH4_SPEEDUP = 1.15  # variable K / none requests/s at batch 4, the CLI's default dispatch
 
 
 def _target(name: str, goal: str, measured: str, passed: bool | None) -> Target:
@@ -72,7 +75,9 @@ def _tokens_ratio(s: ConfigSummary | None, reference: ConfigSummary | None) -> f
     return ratio(s.overall.output_tokens_per_s, reference.overall.output_tokens_per_s)
 
 
-def evaluate_targets(summaries: list[ConfigSummary], memory: MemoryReport | None) -> list[Target]:
+def evaluate_targets(
+    summaries: list[ConfigSummary], memory: MemoryReport | None, micro: MicroReport | None = None
+) -> list[Target]:
     """The issue's targets, each with PASS / MISS / n/a and the numbers behind it."""
     by_key = {s.key: s for s in summaries}
     variable = [s for s in summaries if s.backend == QSPEC and len(s.ks) > 1]
@@ -98,7 +103,38 @@ def evaluate_targets(summaries: list[ConfigSummary], memory: MemoryReport | None
         value = _tokens_ratio(s, hf_pld)
         targets.append(_at_least(f"qspec {s.name} vs transformers prompt lookup, tokens/s", value, TARGET_VS_HF_LOOKUP))
     targets += _peer_targets(by_key, [s for s in variable if s.batch == 1 and s.method == "pld"])
+    for s in [s for s in variable if s.batch == 4 and s.method == "pld"]:
+        targets.append(_at_least(f"{s.name} vs none, requests/s (batch 4)", s.overall.ratio_to_none,
+                                 TARGET_BATCH4_SPEEDUP, suffix=" none", digits=3, missing="no none run"))
+    hf = by_key.get(f"{HF_GREEDY}@1")
+    if none is not None and hf is not None:
+        value = none.overall.ttft_ms_median / hf.overall.ttft_ms_median
+        targets.append(_target("qspec none TTFT / transformers TTFT (median, batch 1)", "<= 1.0 x",
+                               f"{value:.2f} x ({none.overall.ttft_ms_median:.0f} / {hf.overall.ttft_ms_median:.0f} ms)",
+                               value <= 1.0))
+    targets += _micro_targets(micro)
     targets.append(_memory_target(memory))
+    return targets
+
+
+def _micro_targets(micro: MicroReport | None) -> list[Target]:
+    """Batch-1 calls against the weight-streaming floor, and the 256 bucket against the full buffer."""
+    batch1 = [p for p in (micro.packages if micro else []) if p.batch == 1]
+    if not batch1:
+        return []
+    calls = {c.specialization: c for c in batch1[0].calls}
+    full = max((name.partition("@")[2] for name in calls), key=lambda c: int(c or 0))
+    targets = []
+    for k, goal in TARGET_FLOOR.items():
+        call = calls.get(f"{k}@{full}" if full else k)
+        if call is not None:
+            targets.append(_target(f"{k} call / weight-streaming floor (batch 1)", f"<= {goal} x",
+                                   f"{call.ratio_to_floor:.2f} x ({call.median_ms} ms)", call.ratio_to_floor <= goal))
+    small, large = calls.get("K=4@256"), calls.get(f"K=4@{full}")
+    if small is not None and large is not None and small is not large:
+        value = small.median_ms / large.median_ms
+        targets.append(_target(f"K=4 call, bucket 256 / bucket {full}, positions < 256", f"<= {TARGET_CCL_RATIO} x",
+                               f"{value:.2f} x ({small.median_ms} / {large.median_ms} ms)", value <= TARGET_CCL_RATIO))
     return targets
 
 
