@@ -174,7 +174,7 @@ def check_ort(onnx_path: Path, specs, vocab_size: int, *, progress: Progress) ->
     for spec in specs:
         progress(f"checking a static session for {spec.describe()}")
         begin = time.perf_counter()
-        session = ort_backend.create_session(onnx_path, spec)
+        session = ort_backend.create_session(onnx_path, spec, prepack=False)
         loaded = time.perf_counter() - begin
         ort_backend.check_static(session, spec)
         begin = time.perf_counter()

@@ -47,13 +47,23 @@ def session_options(fixed: Mapping[str, int], *, spinning: bool, num_threads: in
 
 
 def create_session(
-    onnx_path: Path, spec: Specialization, *, spinning: bool = False, num_threads: int | None = None
+    onnx_path: Path,
+    spec: Specialization,
+    *,
+    spinning: bool = False,
+    num_threads: int | None = None,
+    prepack: bool = True,
 ) -> ort.InferenceSession:
-    """A fully static session of ``onnx_path`` for ``spec``; a failure names the specialization."""
+    """A fully static session of ``onnx_path`` for ``spec``; a failure names the specialization.
+
+    ``prepack=False`` skips ORT's repacking of the MatMul weights: a session that is only loaded
+    and run once (the compile-time check) does not pay for a layout it never uses.
+    """
+    options = session_options(spec.symbols(), spinning=spinning, num_threads=num_threads)
+    if not prepack:
+        options.add_session_config_entry("session.disable_prepacking", "1")
     try:
-        return ort.InferenceSession(
-            str(onnx_path), session_options(spec.symbols(), spinning=spinning, num_threads=num_threads), providers=PROVIDERS
-        )
+        return ort.InferenceSession(str(onnx_path), options, providers=PROVIDERS)
     except Exception as exc:  # ORT raises plain RuntimeErrors / Fail
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CompileError(f"ONNX Runtime could not load specialization {spec.describe()}: {first}") from exc

@@ -42,7 +42,7 @@ class BenchOptions(FrozenModel):
     micro_iterations: int = Field(default=20, ge=0)  # calls per specialization; 0: no micro-benchmark
     round_size: int = Field(default=8, ge=1)
     ctx_len: int = Field(default=1024, ge=2)
-    prefill_seq_len: int = Field(default=32, ge=1)
+    prefill_seq_len: int = Field(default=64, ge=1)  # the CLI default, chosen by TTFT (cli/common.py)
     # Compute-context-length buckets of the packages the bench compiles ("" or None: none).
     comp_ctx_lengths_prefill: str | None = "256"
     comp_ctx_lengths_decode: str | None = "256,512"
