@@ -112,7 +112,8 @@ def test_ort_genai_runs_beside_qspec_on_a_tiny_model(tiny_model, tmp_path, monke
     prompts.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
     options = quick_options(prompts=prompts, per_category=None, max_new_tokens=12, batch_sizes=(1,), methods="pld",
                             k_lists="0,4", baselines=False, memory=False, micro_iterations=0, ctx_len=128,
-                            prefill_seq_len=8, packages_dir=tmp_path / "packages", num_threads=1)
+                            prefill_seq_len=8, comp_ctx_lengths_prefill="32", comp_ctx_lengths_decode="32,64",
+                            packages_dir=tmp_path / "packages", num_threads=1)
     report = run_bench(str(tiny_model("llama")), options)
     report = BenchReport.model_validate_json(report.model_dump_json())  # what report.json holds reads back
     keys = {s.key for s in report.configs}
