@@ -49,7 +49,7 @@ class Server:
     """A running server: its URL, its engine worker, an openai client."""
 
     def __init__(self, package, **options):
-        opts = ServeOptions(package=package, served_model_name=MODEL, port=0, log_level="warning", **options)
+        opts = ServeOptions(**{"package": package, "served_model_name": MODEL, "port": 0, "log_level": "warning", **options})
         app, self.worker = build(opts)
         self.uvicorn = make_server(app, opts)
         sock = socket.socket()
@@ -322,6 +322,25 @@ def test_cli_serve_and_sigterm(package, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_load_clients_report_every_request(package, engine):
+    """The load run's clients: Poisson arrivals, streamed, every request recorded and equal to the reference."""
+    import asyncio
+
+    from qspec.serve.load import LoadOptions, run_clients, summarize
+
+    running = Server(package, served_model_name="load")  # the name the load clients send
+    try:
+        prompts = [p[:12] for p in PROMPTS] * 2
+        refs = [reference(engine, p, max_new_tokens=12, chat=True).text for p in prompts]
+        options = LoadOptions(requests=len(prompts), concurrency=4, rate=50, max_tokens=12)
+        records, wall = asyncio.run(run_clients(running.url, prompts, options))
+        report = summarize("none", records, wall, running.metrics(), refs)
+    finally:
+        running.stop()
+    assert (report.completed, report.failed, report.mismatched) == (len(prompts), 0, [])
+    assert report.ttft_ms_p50 > 0 and report.output_tokens_per_s > 0
 
 
 @pytest.mark.slow

@@ -215,10 +215,10 @@ def run_method(package: Path, method: str, prompts: list[str], options: LoadOpti
 
 
 def reference_texts(package: Path, prompts: list[str], max_tokens: int) -> list[str]:
-    """The engine's greedy output for each prompt (plain decoding, the package's slots batched)."""
+    """The engine's greedy output for each prompt, one at a time (plain decoding, one slot)."""
     from qspec.runtime import Engine, SamplingParams
 
-    engine = Engine(package, method="none")
+    engine = Engine(package, method="none", max_batch_size=1)
     return [o.text for o in engine.generate(prompts, SamplingParams(max_new_tokens=max_tokens), chat=True)]
 
 
@@ -262,6 +262,6 @@ def run_load(package: str | Path, methods: list[str], options: LoadOptions, *, v
         runs.append((method, *run_method(package, method, prompts, options)))
     reference = None
     if verify:
-        say("reference: the engine's greedy output for every prompt")
+        say("reference: the engine's greedy output for every prompt, one at a time")
         reference = reference_texts(package, prompts, options.max_tokens)
     return [summarize(method, records, wall, metrics, reference) for method, records, wall, metrics in runs]
