@@ -46,6 +46,8 @@ def serve(
     dispatch: DispatchOption = "auto",
     max_batch_size: Annotated[Optional[int], typer.Option(help="Requests in the running batch (default: all KV slots).")] = None,
     max_waiting: Annotated[int, typer.Option(help="Requests that may wait for a slot; past it: 429.")] = 64,
+    num_threads: Annotated[Optional[int], typer.Option(help="ONNX Runtime threads (default: all cores).")] = None,
+    spinning: Annotated[bool, typer.Option(help="ONNX Runtime threads spin between calls (off: kinder to a shared machine).")] = True,
     served_model_name: Annotated[Optional[str], typer.Option(help="The `model` clients send (default: the package folder's name).")] = None,
     shutdown_timeout: Annotated[float, typer.Option(help="Seconds in-flight requests get to finish on SIGINT/SIGTERM.")] = 10.0,
     log_level: Annotated[str, typer.Option(help="uvicorn log level (debug logs every request).")] = "info",
@@ -67,6 +69,8 @@ def serve(
             max_batch_size=max_batch_size,
             served_model_name=served_model_name,
             max_waiting=max_waiting,
+            num_threads=num_threads,
+            spinning=spinning,
             shutdown_timeout=shutdown_timeout,
             log_level=log_level,
         )
@@ -89,6 +93,7 @@ def serve_load(
     max_tokens: Annotated[int, typer.Option(help="max_tokens of every request.")] = 128,
     time_limit: Annotated[float, typer.Option(help="Seconds one method's run may take at most.")] = 600.0,
     verify: Annotated[bool, typer.Option(help="Compare every response with the engine's greedy output.")] = True,
+    spinning: Annotated[bool, typer.Option(help="ONNX Runtime threads spin between calls (off: kinder to a shared machine).")] = True,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the reports as JSON.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the reports as JSON.")] = False,
 ) -> None:
@@ -102,7 +107,9 @@ def serve_load(
         from qspec.serve.load import LoadOptions, run_load
         from qspec_cli.common import status
 
-        options = LoadOptions.create(requests=requests, concurrency=concurrency, rate=rate, max_tokens=max_tokens, time_limit_s=time_limit)
+        options = LoadOptions.create(
+            requests=requests, concurrency=concurrency, rate=rate, max_tokens=max_tokens, time_limit_s=time_limit, spinning=spinning
+        )
         with status("load run") as say:
             reports = run_load(package, [m.strip() for m in methods.split(",") if m.strip()], options, verify=verify, progress=say)
         dumped = [r.model_dump() for r in reports]

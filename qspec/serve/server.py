@@ -26,6 +26,8 @@ class ServeOptions(FrozenModel):
     method_options: dict[str, Any] = Field(default_factory=dict)
     dispatch: str = "auto"
     max_batch_size: int | None = Field(default=None, ge=1)
+    num_threads: int | None = Field(default=None, ge=1)
+    spinning: bool = True
     served_model_name: str | None = None
     max_waiting: int = Field(default=64, ge=0)
     shutdown_timeout: float = Field(default=10.0, ge=0)
@@ -48,6 +50,8 @@ def build(options: ServeOptions):
         method=options.method,
         max_batch_size=options.max_batch_size,
         dispatch=options.dispatch,
+        num_threads=options.num_threads,
+        spinning=options.spinning,
         **options.method_options,
     )
     metrics = ServeMetrics(options.model_name, engine.ks if options.method != "none" else [0])
