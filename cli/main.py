@@ -59,6 +59,9 @@ def compile(
     spec_format: SpecFormatOption = "flat",
     backend: Annotated[str, typer.Option(help="ort (ONNX Runtime, CPU) or qaic (Qualcomm qaic-compile).")] = "ort",
     num_layers: Annotated[Optional[int], typer.Option(help="Keep only the first N layers (a draft model).")] = None,
+    weight_format: Annotated[
+        str, typer.Option(help="ort: MatMul weights fp32, int8 or int4 (weight-only, MatMulNBits).")
+    ] = "fp32",
     aic_hw_version: Annotated[str, typer.Option(help="qaic: -aic-hw-version.")] = "ai100",
     num_cores: Annotated[int, typer.Option(help="qaic: -aic-num-cores.")] = 16,
     num_devices: Annotated[int, typer.Option(help="qaic: devices (>1 writes a partition config).")] = 1,
@@ -98,6 +101,7 @@ def compile(
                 aic_enable_depth_first=aic_enable_depth_first,
             ),
             num_layers=num_layers,
+            weight_format=weight_format,
         )
         with status("compiling") as say:
             folder, manifest, reused = compile_package(
@@ -110,7 +114,10 @@ def compile(
             print(json.dumps(summary, indent=2))
             return
         verb = "reused" if reused else "wrote"
-        print(f"{verb} {folder} ({manifest.backend}, {len(manifest.specializations)} specializations, {manifest.compile_seconds} s)")
+        print(
+            f"{verb} {folder} ({manifest.backend}, {manifest.weight_format}, {len(manifest.specializations)} "
+            f"specializations, {manifest.compile_seconds} s)"
+        )
         for spec in manifest.specializations:
             print(f"  {spec.describe()}")
         if manifest.qaic and not manifest.qaic.ran:

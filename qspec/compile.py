@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from qspec import __version__
 from qspec.backends.qaic import QaicOptions, prepare_qaic
@@ -24,15 +24,18 @@ from qspec.errors import QSpecError
 from qspec.package import (
     MANIFEST,
     ONNX_FILE,
+    ORT_ONNX_FILE,
     SPECIALIZATIONS_FILE,
     TOKENIZER_DIR,
     Backend,
     Manifest,
     ModelEntry,
     SessionCheck,
+    WeightFormat,
     dump_manifest,
     copy_file,
     read_manifest,
+    runtime_graph_file,
     write_package_atomic,
 )
 from qspec.specializations import (
@@ -54,6 +57,16 @@ class CompileOptions(FrozenModel):
     backend: Backend = "ort"
     qaic: QaicOptions = Field(default_factory=QaicOptions)
     num_layers: int | None = Field(default=None, ge=1)  # keep the first N layers (a draft model)
+    weight_format: WeightFormat = "fp32"  # MatMul weights of the runtime graph (backend ort)
+
+    @model_validator(mode="after")
+    def _vendor_compresses_its_own_weights(self) -> CompileOptions:
+        if self.backend == "qaic" and self.weight_format != "fp32":
+            raise ValueError(
+                f"weight_format {self.weight_format} is for the ort backend; the qaic backend compiles the "
+                "fp32 graph and compresses weights itself: use --mxfp6-matmul"
+            )
+        return self
 
 
 def default_output(model: str | os.PathLike[str], options: CompileOptions) -> Path:
@@ -63,7 +76,8 @@ def default_output(model: str | os.PathLike[str], options: CompileOptions) -> Pa
     fbs = options.specialization.full_batch_size
     suffix = f"-fbs{fbs}" if fbs else ""
     layers = f"-l{options.num_layers}" if options.num_layers else ""
-    return Path("packages") / f"{name}{layers}-k{ks}{suffix}"
+    weights = f"-{options.weight_format}" if options.weight_format != "fp32" else ""
+    return Path("packages") / f"{name}{layers}{weights}-k{ks}{suffix}"
 
 
 def _inputs_key(digest: str, options: CompileOptions) -> str:
@@ -102,7 +116,7 @@ def compile_package(
             existing = read_manifest(target)
         except QSpecError:
             existing = None
-        if existing is not None and existing.inputs_key == key and (target / ONNX_FILE).is_file():
+        if existing is not None and existing.inputs_key == key and (target / runtime_graph_file(existing)).is_file():
             return target, existing, True
 
     spec_config = options.specialization
@@ -128,15 +142,24 @@ def compile_package(
         truncated_layers=options.num_layers,
     )
 
+    runtime_graph = None
+    if options.backend == "ort":
+        from qspec.backends.ort_optimize import cached_runtime_graph
+
+        graph_dir, runtime_graph = cached_runtime_graph(export_dir, meta.key, options.weight_format, progress=say)
+
     def build(folder: Path) -> None:
         say("writing the package")
         for path in sorted(export_dir.glob(ONNX_FILE + "*")):
             copy_file(path, folder / path.name)
+        if runtime_graph is not None:
+            for path in sorted(graph_dir.glob(ORT_ONNX_FILE + "*")):
+                copy_file(path, folder / path.name)
         shutil.copytree(export_dir / TOKENIZER_DIR, folder / TOKENIZER_DIR)
         write_specializations(specs, folder / SPECIALIZATIONS_FILE, fmt=options.spec_format)
         checks, qaic = [], None
-        if options.backend == "ort":
-            checks = check_ort(folder / ONNX_FILE, specs, entry.vocab_size, progress=say)
+        if runtime_graph is not None:
+            checks = check_ort(folder / runtime_graph.file, specs, entry.vocab_size, progress=say)
         else:
             say("preparing the qaic-compile command")
             qaic = prepare_qaic(
@@ -154,6 +177,8 @@ def compile_package(
             specializations=specs,
             spec_format=options.spec_format,
             backend=options.backend,
+            weight_format=options.weight_format,
+            runtime_graph=runtime_graph,
             ort_checks=checks,
             qaic=qaic,
             versions={**meta.versions, "onnxruntime": _ort_version(), "export_seconds": str(meta.export_seconds)},

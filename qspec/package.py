@@ -4,7 +4,8 @@
 
     <package>/
       manifest.json          what was compiled, from what, with which options and versions
-      model.onnx(+.data)     the KV-explicit graph and its weights
+      model.onnx(+.data)     the KV-explicit graph and its weights (the contract; what qaic compiles)
+      model.ort.onnx(+.data) backend "ort": the graph the runtime loads (fused, maybe quantized)
       specializations.json   the vendor's flat (or named) specialization file
       tokenizer/             tokenizer.json, tokenizer_config.json (chat template)
       custom_io.yaml, compile_qaic.sh, qpc/   backend "qaic" only
@@ -30,11 +31,14 @@ from qspec.specializations import SpecFormat, Specialization, SpecializationConf
 
 MANIFEST = "manifest.json"
 ONNX_FILE = "model.onnx"
+ORT_ONNX_FILE = "model.ort.onnx"
 SPECIALIZATIONS_FILE = "specializations.json"
 TOKENIZER_DIR = "tokenizer"
 MANIFEST_VERSION = 1
 
 Backend = Literal["ort", "qaic"]
+# Precision of the MatMul weights in the graph the runtime loads (int8/int4: MatMulNBits, weight-only).
+WeightFormat = Literal["fp32", "int8", "int4"]
 
 
 class ModelInfo(BaseModel):
@@ -64,6 +68,21 @@ class ModelEntry(ModelInfo):
     truncated_layers: int | None = None
 
 
+class RuntimeGraph(BaseModel):
+    """The graph the embedded runtime loads instead of ``model.onnx``, and how it was made."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    file: str = ORT_ONNX_FILE
+    weight_format: WeightFormat
+    fusions: dict[str, int] = Field(default_factory=dict)
+    quantized_matmuls: int = 0
+    block_size: int | None = None
+    accuracy_level: int | None = None
+    weight_bytes: int  # initializer bytes every call reads (embedding tables excluded)
+    seconds: float
+
+
 class SessionCheck(BaseModel):
     """One specialization's ONNX Runtime check at compile time."""
 
@@ -88,6 +107,8 @@ class Manifest(BaseModel):
     specializations: list[Specialization]
     spec_format: SpecFormat
     backend: Backend
+    weight_format: WeightFormat = "fp32"
+    runtime_graph: RuntimeGraph | None = None  # None: the runtime loads model.onnx
     ort_checks: list[SessionCheck] = Field(default_factory=list)
     qaic: QaicResult | None = None  # backend "qaic" only
     versions: dict[str, str]
@@ -117,12 +138,17 @@ def read_manifest(package: str | os.PathLike[str]) -> Manifest:
     return manifest
 
 
+def runtime_graph_file(manifest: Manifest) -> str:
+    """The graph file the runtime loads: the backend's optimized graph, else the vendor graph."""
+    return manifest.runtime_graph.file if manifest.runtime_graph else ONNX_FILE
+
+
 def check_package(package: str | os.PathLike[str]) -> Manifest:
     """Read the manifest and check that every file it relies on is there and agrees with it."""
     folder = Path(package)
     manifest = read_manifest(folder)
     hint = f"run `qspec compile` to rebuild {folder}"
-    for name in (ONNX_FILE, SPECIALIZATIONS_FILE, f"{TOKENIZER_DIR}/tokenizer.json"):
+    for name in (ONNX_FILE, runtime_graph_file(manifest), SPECIALIZATIONS_FILE, f"{TOKENIZER_DIR}/tokenizer.json"):
         if not (folder / name).is_file():
             raise PackageError(f"package {folder} is missing {name}; {hint}")
     onnx_size = (folder / ONNX_FILE).stat().st_size
@@ -190,6 +216,7 @@ def manifest_summary(manifest: Manifest) -> dict[str, Any]:
             {
                 "model": manifest.model.source,
                 "backend": manifest.backend,
+                "weight_format": manifest.weight_format,
                 "specializations": [s.symbols() for s in manifest.specializations],
                 "compile_seconds": manifest.compile_seconds,
             }

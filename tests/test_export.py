@@ -1,4 +1,7 @@
-"""Exporter: contract names and dims, logit parity with PyTorch, KV written at positions, padding, cache."""
+"""Exporter: contract names and dims, logit parity with PyTorch, KV written at positions, padding, cache.
+
+The parity and padding tests run on the vendor graph (``model.onnx``) and on the ort backend's
+optimized fp32 graph (``model.ort.onnx``): both must hold the contract within the same tolerance."""
 
 from __future__ import annotations
 
@@ -19,11 +22,25 @@ CTX = 16
 TOL = 1e-4
 
 
+GRAPHS = ["vendor", "ort"]  # model.onnx as exported; the ort backend's fused fp32 graph
+
+
+def graph_path(folder, meta, graph: str = "vendor"):
+    """The file of ``graph`` for an export: the vendor graph, or the ort backend's optimized fp32 graph."""
+    if graph == "vendor":
+        return folder / ONNX_FILE
+    from qspec.backends.ort_optimize import cached_runtime_graph
+
+    graph_dir, runtime = cached_runtime_graph(folder, meta.key, "fp32")
+    return graph_dir / runtime.file
+
+
 class Graph:
     """Runs an exported graph on ORT with the KV buffers held as numpy arrays between calls."""
 
-    def __init__(self, folder, meta, rows: int):
-        self.session = ort.InferenceSession(str(folder / ONNX_FILE), providers=["CPUExecutionProvider"])
+    def __init__(self, folder, meta, rows: int, graph: str = "vendor"):
+        path = graph_path(folder, meta, graph)
+        self.session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         info = meta.model
         shape = (rows, info.num_kv_heads, CTX, info.head_dim)
         self.kv = {name: np.zeros(shape, np.float32) for name in contract.kv_names(info.num_layers)}
@@ -67,13 +84,14 @@ def exported(tiny_model):
     return make
 
 
+@pytest.mark.parametrize("graph_kind", GRAPHS)
 @pytest.mark.parametrize("family,tie", [(f, True) for f in FAMILIES] + [("llama", False), ("qwen2", False)])
-def test_parity_prefill_decode_and_rejected_draft(exported, family, tie):
+def test_parity_prefill_decode_and_rejected_draft(exported, family, tie, graph_kind):
     """Chunked prefill, 1-token decode and a K+1 decode over stale slots match PyTorch within 1e-4."""
     model_dir, folder, meta = exported(family, tie=tie)
     rng = np.random.default_rng(1)
     prompt = rng.integers(3, 259, size=7).tolist()
-    graph = Graph(folder, meta, rows=1)
+    graph = Graph(folder, meta, rows=1, graph=graph_kind)
     # Prefill in chunks of 4: [0..3], then [4..6] + one padding token.
     first = graph.run([prompt[:4]], [[0, 1, 2, 3]], keep=4)[0]
     second = graph.run([prompt[4:] + [0]], [[4, 5, 6, -1]], keep=3)[0]
@@ -94,24 +112,26 @@ def test_parity_prefill_decode_and_rejected_draft(exported, family, tie):
     np.testing.assert_allclose(one[0], reference_logits(model_dir, accepted + [bonus])[10], atol=TOL)
 
 
+@pytest.mark.parametrize("graph_kind", GRAPHS)
 @pytest.mark.parametrize("family", ["llama", "mistral"])
-def test_decode_reaches_last_slot(exported, family):
+def test_decode_reaches_last_slot(exported, family, graph_kind):
     """Decoding until the token at slot ctx_len - 1 keeps parity (mistral: window smaller than ctx)."""
     model_dir, folder, meta = exported(family)
     tokens = np.random.default_rng(2).integers(3, 259, size=CTX).tolist()
-    graph = Graph(folder, meta, rows=1)
+    graph = Graph(folder, meta, rows=1, graph=graph_kind)
     graph.run([tokens[:12]], [list(range(12))], keep=1)
     outs = [graph.run([[t]], [[p]], keep=1)[0, 0] for p, t in zip(range(12, CTX), tokens[12:])]
     ref = reference_logits(model_dir, tokens)
     np.testing.assert_allclose(np.stack(outs), ref[12:CTX], atol=TOL)  # last one is slot 15 = ctx_len - 1
 
 
-def test_padding_rows_never_touch_live_slots(exported):
+@pytest.mark.parametrize("graph_kind", GRAPHS)
+def test_padding_rows_never_touch_live_slots(exported, graph_kind):
     """A fully padded row and a padded tail change no slot a live token can see, in any row."""
     model_dir, folder, meta = exported("llama")
     rng = np.random.default_rng(3)
     a, b = rng.integers(3, 259, size=(2, 6)).tolist()
-    graph = Graph(folder, meta, rows=2)
+    graph = Graph(folder, meta, rows=2, graph=graph_kind)
     graph.run([a[:4], b[:4]], [[0, 1, 2, 3], [0, 1, 2, 3]], keep=1)
     before = {k: v.copy() for k, v in graph.kv.items()}
     # Row 0 decodes two tokens; row 1 is all padding (a finished sequence), at the buffer's end too.
@@ -125,11 +145,12 @@ def test_padding_rows_never_touch_live_slots(exported):
     np.testing.assert_allclose(out[1, 0], reference_logits(model_dir, b[:5])[4], atol=TOL)
 
 
-def test_padding_at_last_slot_stays_inside_buffer(exported):
+@pytest.mark.parametrize("graph_kind", GRAPHS)
+def test_padding_at_last_slot_stays_inside_buffer(exported, graph_kind):
     """A live token on slot ctx_len - 1 followed by padding writes nothing out of range or over history."""
     model_dir, folder, meta = exported("llama")
     tokens = np.random.default_rng(4).integers(3, 259, size=CTX).tolist()
-    graph = Graph(folder, meta, rows=1)
+    graph = Graph(folder, meta, rows=1, graph=graph_kind)
     graph.run([tokens[:15]], [list(range(15))], keep=1)
     before = {k: v.copy() for k, v in graph.kv.items()}
     out = graph.run([[tokens[15], 0, 0]], [[15, -1, -1]], keep=1)
@@ -138,15 +159,16 @@ def test_padding_at_last_slot_stays_inside_buffer(exported):
         np.testing.assert_array_equal(value[0, :, :15], before[name][0, :, :15])
 
 
-def test_continuous_batching_variant(exported):
+@pytest.mark.parametrize("graph_kind", GRAPHS)
+def test_continuous_batching_variant(exported, graph_kind):
     """batch_index routes a batch-1 prefill into its KV row and a full decode reads every row right."""
     model_dir, folder, meta = exported("qwen2", continuous_batching=True)
-    dims = graph_dims(folder / ONNX_FILE)
+    dims = graph_dims(graph_path(folder, meta, graph_kind))
     assert dims[contract.BATCH_INDEX] == [contract.BATCH_SIZE, 1]
     assert dims[contract.past_key(0)][0] == contract.FULL_BATCH_SIZE
     rng = np.random.default_rng(5)
     seqs = rng.integers(3, 259, size=(3, 5)).tolist()
-    graph = Graph(folder, meta, rows=3)
+    graph = Graph(folder, meta, rows=3, graph=graph_kind)
     for row in (2, 0):  # rows 2 and 0 get prompts; row 1 stays empty
         graph.run([seqs[row][:4]], [[0, 1, 2, 3]], keep=1, batch_index=[row])
     out = graph.run([[seqs[0][4]], [0], [seqs[2][4]]], [[4], [-1], [4]], keep=1, batch_index=[0, 1, 2])
@@ -165,12 +187,14 @@ def test_non_speculative_graph_keeps_one_logit(exported):
     np.testing.assert_allclose(out[0, 0], reference_logits(model_dir, tokens)[4], atol=TOL)
 
 
-def test_symbolic_dims_are_specialization_keys(exported):
+@pytest.mark.parametrize("graph_kind", GRAPHS)
+def test_symbolic_dims_are_specialization_keys(exported, graph_kind):
     """Every symbolic dimension of the graph is one of the specialization keys, and vice versa."""
     from qspec.specializations import Specialization
 
-    _, folder, _ = exported("llama", continuous_batching=True, comp_ctx_lengths=True)
-    params = {d for dims in graph_dims(folder / ONNX_FILE).values() for d in dims if isinstance(d, str)}
+    _, folder, meta = exported("llama", continuous_batching=True, comp_ctx_lengths=True)
+    dims = graph_dims(graph_path(folder, meta, graph_kind))
+    params = {d for dims in dims.values() for d in dims if isinstance(d, str)}
     assert params == set(contract.SPECIALIZATION_KEYS) == set(Specialization.model_fields)
 
 

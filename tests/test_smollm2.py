@@ -72,27 +72,35 @@ def compiled(tmp_path_factory):
     root = tmp_path_factory.mktemp("smollm2")
     made = {}
 
-    def make(ks: str, fbs: int | None = None) -> Path:
-        if (ks, fbs) not in made:
+    def make(ks: str, fbs: int | None = None, weight_format: str = "fp32") -> Path:
+        key = (ks, fbs, weight_format)
+        if key not in made:
             config = make_config(num_speculative_tokens=ks, prefill_seq_len=32, ctx_len=CTX, full_batch_size=fbs)
-            folder = root / f"k{ks.replace(',', '_')}-{fbs}"
-            made[(ks, fbs)] = compile_package(smollm2_path(), CompileOptions(specialization=config), output=folder)[0]
-        return made[(ks, fbs)]
+            folder = root / f"{weight_format}-k{ks.replace(',', '_')}-{fbs}"
+            options = CompileOptions(specialization=config, weight_format=weight_format)
+            made[key] = compile_package(smollm2_path(), options, output=folder)[0]
+        return made[key]
 
     return make
 
 
-def test_export_parity_with_pytorch(hf_model):
-    """Chunked prefill, 1-token decode, K+1 decode over stale slots, padding rows, last slot: ≤ 1e-3."""
+@pytest.mark.parametrize("graph_kind", ["vendor", "ort"])
+def test_export_parity_with_pytorch(hf_model, graph_kind):
+    """Chunked prefill, 1-token decode, K+1 decode over stale slots, padding rows, last slot: ≤ 1e-3.
+
+    ``vendor``: model.onnx as exported; ``ort``: the ort backend's fused fp32 graph (model.ort.onnx).
+    """
     import onnxruntime as ort
     import torch
 
     from qspec.export import ExportOptions, export_model
+    from tests.test_export import graph_path
 
     model, tokenizer = hf_model
     folder, meta = export_model(smollm2_path(), ExportOptions())
     ctx = 48
-    session = ort.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"])
+    path = graph_path(folder, meta, graph_kind)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     info = meta.model
     names = contract.kv_names(info.num_layers)
     kv = {n: np.zeros((2, info.num_kv_heads, ctx, info.head_dim), np.float32) for n in names}
@@ -168,6 +176,19 @@ def test_speculative_greedy_equals_plain_and_transformers(compiled, hf_model, ks
             ids = Engine.encode(engine, prompt, chat=True)
             ref = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(ids) :]
             assert tokens == ref.tolist()
+
+
+@pytest.mark.parametrize("fbs", [None, 4])
+def test_int4_speculative_greedy_equals_plain(compiled, fbs):
+    """int4 package: pld over K in [0, 4] equals `none` of the same package (batch 1 and 4 KV slots)."""
+    from qspec.runtime import Engine, SamplingParams
+
+    package = compiled("0,4", fbs, weight_format="int4")
+    prompts = mt_bench_prompts()[:4]
+    params = SamplingParams(max_new_tokens=NEW_TOKENS)
+    outputs = {m: [o.token_ids for o in Engine(package, method=m).generate(prompts, params, chat=True)]
+               for m in ("none", "pld")}
+    assert outputs["pld"] == outputs["none"]
 
 
 def test_generate_cli_json(compiled):

@@ -119,6 +119,8 @@ class LoadedModel(ABC):
 
     def weight_bytes(self) -> int:
         """Bytes of the weights streamed by every call (the memory-bandwidth floor's numerator)."""
+        if self.manifest.runtime_graph is not None:  # backend ort: its graph, embedding tables excluded
+            return self.manifest.runtime_graph.weight_bytes
         return sum(p.stat().st_size for p in self.package.glob(ONNX_FILE + "*"))
 
 

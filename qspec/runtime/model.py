@@ -33,7 +33,7 @@ import onnxruntime as ort
 
 from qspec import contract
 from qspec.backends import ort as ort_backend
-from qspec.package import ONNX_FILE
+from qspec.package import runtime_graph_file
 from qspec.runtime.backend import Binding, LoadedModel, SessionMode, host_arrays
 from qspec.specializations import Specialization
 
@@ -65,7 +65,7 @@ class CompiledModel(LoadedModel):
         specs = self.manifest.specializations
 
         begin = time.perf_counter()
-        onnx_path = self.package / ONNX_FILE
+        onnx_path = self.package / runtime_graph_file(self.manifest)  # backend ort: its optimized graph
         sessions: dict[Specialization, ort.InferenceSession] = {}
         if session_mode == "shared":
             fixed = {contract.CTX_LEN: self.ctx_len}

@@ -1,0 +1,231 @@
+"""The embedded backend's own graph: fused, optionally weight-quantized, optimized by ONNX Runtime.
+
+The vendor graph ``model.onnx`` is the contract and stays as exported (the ``qaic`` backend compiles
+it). For ONNX Runtime the ``ort`` backend writes ``model.ort.onnx`` (+ ``.data``) beside it, made
+by kept tools only, in this order:
+
+1. **fuse** (``onnxscript.rewriter.ort_fusions``): RMSNorm -> ``SimplifiedLayerNormalization`` and
+   residual Add + RMSNorm -> ``SkipSimplifiedLayerNormalization``. ONNX Runtime's own RMSNorm
+   fusion expects ``Sqrt -> Div`` and never matches the dynamo exporter's ``Reciprocal(Sqrt)``.
+   Attention is not fused: the contract's position-driven KV write, free rejected drafts and
+   harmless padding rows are not what ``GroupQueryAttention``'s own KV handling does.
+2. **materialize the tied LM head** (int8/int4 only; onnxscript's constant folder): a tied head is
+   ``MatMul(x, Transpose(embedding))``, which no weight quantizer picks up; folding the Transpose
+   gives the head its own ``[hidden, vocab]`` initializer. The embedding ``Gather`` keeps the fp32
+   table: it reads a few rows per call, so it costs memory, not bandwidth.
+3. **quantize** (int8/int4; ``onnxruntime.quantization.matmul_nbits_quantizer``): every MatMul
+   with a constant 2-D weight becomes ``MatMulNBits`` (block-wise, asymmetric, blocks along K).
+4. **optimize offline** (ONNX Runtime ``ORT_ENABLE_EXTENDED``, ``optimized_model_filepath``): the
+   session-level fusions (SiLU, MatMul + scale, ...) are done once at compile time.
+
+``cached_runtime_graph`` keeps the result in the export cache, keyed by the export and the format.
+The result keeps the contract's inputs, outputs and symbolic dimensions; the parity tests run on it.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+from qspec.errors import CompileError
+from qspec.package import ORT_ONNX_FILE, RuntimeGraph, WeightFormat
+
+Progress = Callable[[str], None]
+
+# MatMulNBits settings, measured on the 2-core x86 machines (see the notes of issue 10).
+BITS: dict[str, int] = {"int8": 8, "int4": 4}
+BLOCK_SIZE = 32
+# 4: int8 activations (the fast x86 kernels); 0: the unset default (fp32 activations).
+ACCURACY_LEVEL = 4
+# Bump when the recipe below changes: cached runtime graphs are keyed by it.
+RECIPE_VERSION = 1
+GRAPH_META = "graph.json"
+# Initializers below this size stay inside the .onnx file.
+EXTERNAL_MIN_BYTES = 1024
+
+
+def fuse(model) -> dict[str, int]:
+    """RMSNorm and skip-RMSNorm fusions on an ``onnx_ir`` model; returns the count of each."""
+    import onnx_ir.passes.common as common_passes
+    from onnxscript import optimizer
+    from onnxscript.rewriter.ort_fusions import rms_normalization, skip_normalization
+
+    common_passes.ShapeInferencePass()(model)  # the fusion rules check ranks and shapes
+    optimizer.optimize(model)
+    counts = {
+        "rms_normalization": rms_normalization.fuse_rms_normalization(model),
+        "skip_rms_normalization": skip_normalization.fuse_skip_rms_normalization(model),
+    }
+    optimizer.optimize(model)
+    return counts
+
+
+def materialize_transposed_weights(model) -> int:
+    """Fold ``Transpose(initializer)`` feeding a MatMul into its own initializer; returns how many."""
+    from onnxscript import optimizer
+
+    def is_weight_transpose(node) -> bool | None:
+        if node.op_type != "Transpose" or node.domain not in ("", "ai.onnx"):
+            return None
+        source = node.inputs[0]
+        feeds_matmul = any(user.op_type == "MatMul" for user, _ in node.outputs[0].uses())
+        return True if source is not None and source.is_initializer() and feeds_matmul else None
+
+    before = _count_ops(model, "Transpose")
+    optimizer.fold_constants(
+        model, input_size_limit=1 << 40, output_size_limit=1 << 40, should_fold=is_weight_transpose
+    )
+    optimizer.remove_unused_nodes(model)
+    return before - _count_ops(model, "Transpose")
+
+
+def quantize_matmuls(proto, bits: int, *, block_size: int = BLOCK_SIZE, accuracy_level: int = ACCURACY_LEVEL):
+    """Every MatMul with a constant 2-D weight -> ``MatMulNBits``; returns (model proto, count)."""
+    import logging
+
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
+    quantizer = MatMulNBitsQuantizer(
+        proto, bits=bits, block_size=block_size, is_symmetric=False, accuracy_level=accuracy_level
+    )
+    quantizer.process()
+    result = quantizer.model.model
+    return result, sum(1 for node in result.graph.node if node.op_type == "MatMulNBits")
+
+
+def ort_offline(source: Path, target: Path) -> None:
+    """Let ONNX Runtime optimize ``source`` (extended level, CPU) and save it as ``target`` + ``.data``."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    options.optimized_model_filepath = str(target)
+    options.log_severity_level = 3
+    options.add_session_config_entry(
+        "session.optimized_model_external_initializers_file_name", target.name + ".data"
+    )
+    options.add_session_config_entry(
+        "session.optimized_model_external_initializers_min_size_in_bytes", str(EXTERNAL_MIN_BYTES)
+    )
+    try:
+        ort.InferenceSession(str(source), options, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # ORT raises plain RuntimeErrors
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CompileError(f"ONNX Runtime could not optimize {source.name}: {first}") from exc
+
+
+def streamed_weight_bytes(path: Path) -> int:
+    """Bytes of the initializers every call reads: all but tables only ``Gather``/embedding ops index."""
+    import onnx
+
+    proto = onnx.load(str(path), load_external_data=False)
+    lookups = {"Gather", "GatherBlockQuantized"}
+    users: dict[str, set[str]] = collections.defaultdict(set)
+    for node in proto.graph.node:
+        for name in node.input:
+            users[name].add(node.op_type)
+    total = 0
+    for tensor in proto.graph.initializer:
+        if users[tensor.name] and users[tensor.name] <= lookups:
+            continue
+        total += _tensor_bytes(tensor)
+    return total
+
+
+def optimize_graph(
+    source: Path, target: Path, weight_format: WeightFormat, *, progress: Progress | None = None
+) -> RuntimeGraph:
+    """Write the embedded backend's graph of ``source`` (the contract graph) to ``target``."""
+    import onnx_ir as ir
+
+    say = progress or (lambda message: None)
+    begin = time.perf_counter()
+    model = ir.load(str(source))
+    ir.external_data.load_to_model(model)  # in memory: the quantizer reads weights from the proto
+    say("fusing RMSNorm and skip-RMSNorm (onnxscript)")
+    fusions = fuse(model)
+    quantized, bits = 0, BITS.get(weight_format)
+    with tempfile.TemporaryDirectory(prefix=".optimize-", dir=target.parent) as tmp:
+        staged = Path(tmp) / "model.onnx"
+        if bits is None:
+            ir.save(model, str(staged), external_data=staged.name + ".data")
+        else:
+            fusions["materialized_weights"] = materialize_transposed_weights(model)
+            say(f"quantizing MatMul weights to {weight_format} (MatMulNBits, block {BLOCK_SIZE})")
+            proto, quantized = quantize_matmuls(ir.to_proto(model), bits)
+            _save_proto(proto, staged)
+        say("optimizing the graph with ONNX Runtime (extended level)")
+        ort_offline(staged, target)
+    return RuntimeGraph(
+        file=target.name,
+        weight_format=weight_format,
+        fusions=fusions,
+        quantized_matmuls=quantized,
+        block_size=BLOCK_SIZE if bits else None,
+        accuracy_level=ACCURACY_LEVEL if bits else None,
+        weight_bytes=streamed_weight_bytes(target),
+        seconds=round(time.perf_counter() - begin, 2),
+    )
+
+
+def cached_runtime_graph(
+    export_dir: Path, export_key: str, weight_format: WeightFormat, *, progress: Progress | None = None
+) -> tuple[Path, RuntimeGraph]:
+    """The runtime graph of an export (folder holding ``model.ort.onnx`` + ``.data``), built once."""
+    from qspec.export.exporter import ONNX_FILE, cache_root
+
+    settings = f"{export_key}|{weight_format}|{BLOCK_SIZE}|{ACCURACY_LEVEL}|{RECIPE_VERSION}|{_versions()}"
+    key = hashlib.sha256(settings.encode()).hexdigest()[:24]
+    final = cache_root() / "ort-graphs" / key
+    if (final / GRAPH_META).is_file():
+        return final, RuntimeGraph.model_validate_json((final / GRAPH_META).read_text())
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=final.parent))
+    try:
+        graph = optimize_graph(export_dir / ONNX_FILE, tmp / ORT_ONNX_FILE, weight_format, progress=progress)
+        (tmp / GRAPH_META).write_text(graph.model_dump_json(indent=2) + "\n")
+        if final.exists():  # a broken leftover: no graph.json, so never valid
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final, graph
+
+
+def _versions() -> str:
+    import onnxruntime
+    import onnxscript
+
+    return f"onnxruntime={onnxruntime.__version__};onnxscript={onnxscript.__version__}"
+
+
+def _save_proto(proto, path: Path) -> None:
+    import onnx
+
+    onnx.save_model(
+        proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+        location=path.name + ".data", size_threshold=EXTERNAL_MIN_BYTES,
+    )
+
+
+def _count_ops(model, op_type: str) -> int:
+    return sum(1 for node in model.graph.all_nodes() if node.op_type == op_type)
+
+
+def _tensor_bytes(tensor) -> int:
+    import onnx
+
+    for entry in tensor.external_data:
+        if entry.key == "length":
+            return int(entry.value)
+    if tensor.raw_data:
+        return len(tensor.raw_data)
+    return onnx.numpy_helper.to_array(tensor).nbytes

@@ -1,0 +1,161 @@
+"""Quantized weights (int8/int4, MatMulNBits) and the ort backend's optimized graph, on tiny random models."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+from qspec.compile import CompileOptions, compile_package
+from qspec.errors import ConfigError
+from qspec.package import ONNX_FILE, ORT_ONNX_FILE, read_manifest
+from qspec.quality import compare_packages, teacher_forced_argmax
+from qspec.runtime import Engine, SamplingParams
+from qspec.specializations import make_config
+from tests.test_runtime import PROMPTS, run
+
+CTX = 64
+FORMATS = ("int8", "int4")
+
+
+def compile_format(model, folder, ks, weight_format, *, fbs=None):
+    config = make_config(num_speculative_tokens=ks, prefill_seq_len=8, ctx_len=CTX, full_batch_size=fbs)
+    options = CompileOptions(specialization=config, weight_format=weight_format)
+    return compile_package(model, options, output=folder)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def packages(model, tmp_path_factory):
+    """``packages[fmt][name]``: K lists [0,4], [4], [0,1,2,4,8] at batch 1 and [0,4] with 4 KV slots."""
+    root = tmp_path_factory.mktemp("formats")
+    made = {}
+    for fmt in ("fp32", *FORMATS):
+        made[fmt] = {
+            "0,4": compile_format(model, root / f"{fmt}-k04", "0,4", fmt)[0],
+            "4": compile_format(model, root / f"{fmt}-k4", "4", fmt)[0],
+            "0,1,2,4,8": compile_format(model, root / f"{fmt}-kdense", "0,1,2,4,8", fmt)[0],
+            "cb": compile_format(model, root / f"{fmt}-cb", "0,4", fmt, fbs=4)[0],
+        }
+    return made
+
+
+def matmul_ops(package) -> dict[str, int]:
+    graph = onnx.load(str(package / ORT_ONNX_FILE), load_external_data=False).graph
+    ops = [node.op_type for node in graph.node]
+    return {op: ops.count(op) for op in ("MatMul", "MatMulNBits", "Gather")}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("ks", ["0,4", "4", "0,1,2,4,8"])
+def test_speculative_greedy_equals_plain_greedy_of_the_same_package(packages, fmt, ks):
+    """pld and suffix outputs equal `none` of the same quantized package, for every K list."""
+    plain, _ = run(packages[fmt][ks], PROMPTS, method="none")
+    spec, engine = run(packages[fmt][ks], PROMPTS, method="pld")
+    assert spec == plain
+    assert run(packages[fmt][ks], PROMPTS, method="suffix")[0] == plain
+    assert engine.last_metrics.accepted > 0, "the repeating prompts must have produced accepted drafts"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_continuous_batching_equals_batch_one(packages, fmt):
+    """4 KV slots, 5 requests of different budgets: each equals the batch-1 `none` run of its format."""
+    budgets = [20, 7, 13, 3, 16]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in budgets]
+    outputs = Engine(packages[fmt]["cb"], method="pld").generate(PROMPTS, params)
+    alone = Engine(packages[fmt]["0,4"], method="none")
+    for prompt, n, out in zip(PROMPTS, budgets, outputs):
+        [ref] = alone.generate([prompt], SamplingParams(max_new_tokens=n, ignore_eos=True))
+        assert out.token_ids == ref.token_ids
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_matmul_weight_is_quantized_lm_head_included(packages, fmt):
+    """2 layers x 7 projections + the tied LM head are MatMulNBits; the embedding Gather stays fp32."""
+    package = packages[fmt]["0,4"]
+    ops = matmul_ops(package)
+    assert ops["MatMulNBits"] == 2 * 7 + 1
+    manifest = read_manifest(package)
+    assert manifest.weight_format == fmt
+    graph = manifest.runtime_graph
+    assert graph.file == ORT_ONNX_FILE and graph.quantized_matmuls == 15
+    assert graph.fusions["materialized_weights"] == 1  # the tied head got its own [hidden, vocab] weight
+    fp32 = read_manifest(packages["fp32"]["0,4"]).runtime_graph
+    # The LM head alone is 64 x 320 fp32 = 80 KiB; int4 streams about 1/6 of fp32's bytes (scales, zero points).
+    assert graph.weight_bytes < fp32.weight_bytes / (2.5 if fmt == "int8" else 4.5)
+    assert (package / ONNX_FILE).is_file()  # the vendor graph stays in the package, unchanged
+
+
+def test_fp32_runtime_graph_is_fused_and_keeps_the_contract(packages):
+    """fp32: RMSNorm and skip-RMSNorm fused, no MatMulNBits, same inputs and outputs as model.onnx."""
+    package = packages["fp32"]["0,4"]
+    graph = read_manifest(package).runtime_graph
+    assert graph.weight_format == "fp32" and graph.quantized_matmuls == 0
+    assert graph.fusions["rms_normalization"] >= 1 and graph.fusions["skip_rms_normalization"] >= 1
+    assert matmul_ops(package)["MatMulNBits"] == 0
+
+    def io(path):
+        proto = onnx.load(str(path), load_external_data=False).graph
+        return [(v.name, [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim])
+                for v in list(proto.input) + list(proto.output)]
+
+    assert io(package / ORT_ONNX_FILE) == io(package / ONNX_FILE)
+
+
+def test_weight_format_is_part_of_the_package_key(model, packages, tmp_path):
+    """Compiling another format into an existing package rebuilds it; the same format reuses it."""
+    folder = tmp_path / "pkg"
+    _, first, reused = compile_format(model, folder, "0,4", "int4")
+    assert not reused
+    _, again, reused = compile_format(model, folder, "0,4", "int4")
+    assert reused and again.inputs_key == first.inputs_key
+    _, other, reused = compile_format(model, folder, "0,4", "int8")
+    assert not reused and other.inputs_key != first.inputs_key and other.weight_format == "int8"
+
+
+def test_qaic_backend_refuses_quantized_weights():
+    """The vendor flow compiles the fp32 graph: int4 for qaic is a one-line error naming --mxfp6-matmul."""
+    with pytest.raises(ConfigError, match="--mxfp6-matmul"):
+        CompileOptions.create(specialization=make_config(num_speculative_tokens="0,4"), backend="qaic", weight_format="int4")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantized_packages_follow_fp32(packages, fmt):
+    """Teacher-forced top-1 agreement with fp32 (random weights of std 0.3: a hard case): int8 >= 0.9, int4 >= 0.5."""
+    report = compare_packages(packages["fp32"]["0,4"], packages[fmt]["0,4"], ["abcabc", "hello world"],
+                              max_new_tokens=12, chat=False)
+    assert report.prompts == 2 and report.positions > 20
+    assert report.top1_agreement >= (0.9 if fmt == "int8" else 0.5)
+    same = compare_packages(packages["fp32"]["0,4"], packages["fp32"]["0,1,2,4,8"], ["abcabc"], max_new_tokens=12, chat=False)
+    assert same.top1_agreement == 1.0 and same.greedy_equal == 1 and same.first_divergence == [None]
+
+
+def test_teacher_forced_argmax_reproduces_greedy(packages):
+    """Reading prompt + greedy output back, the argmax after each prefix is the next greedy token."""
+    engine = Engine(packages["fp32"]["0,4"], method="none")
+    [out] = engine.generate([PROMPTS[3]], SamplingParams(max_new_tokens=11, ignore_eos=True))
+    text = out.prompt_token_ids + out.token_ids
+    pred = teacher_forced_argmax(engine.model, text)
+    assert pred.shape == (len(text),)
+    np.testing.assert_array_equal(pred[len(out.prompt_token_ids) - 1 : -1], out.token_ids)
+
+
+def test_compile_cli_weight_format(model, tmp_path):
+    """`qspec compile --weight-format int4` records the format; an unknown format is a one-line error."""
+    from tests.test_cli import assert_one_line_error, qspec
+
+    out = tmp_path / "pkg"
+    result = qspec("compile", str(model), "-k", "0,4", "--ctx-len", "32", "--prefill-seq-len", "4",
+                   "--weight-format", "int4", "-o", str(out), "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["weight_format"] == "int4"
+    assert_one_line_error(qspec("compile", str(model), "--weight-format", "int3", "-o", str(tmp_path / "x")),
+                          "weight_format")
+    assert_one_line_error(qspec("compile", str(model), "--weight-format", "int8", "--backend", "qaic", "-o",
+                                str(tmp_path / "y")), "--mxfp6-matmul")
