@@ -24,7 +24,7 @@ from pydantic import Field
 from qspec.runtime.engine import Engine
 from qspec.runtime.model import CompiledModel
 from qspec.runtime.sampling import SamplingParams
-from qspec.specializations import FrozenModel
+from qspec.common import FrozenModel
 
 
 class QualityReport(FrozenModel):
