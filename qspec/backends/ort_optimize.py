@@ -43,6 +43,7 @@ BITS: dict[str, int] = {"int8": 8, "int4": 4}
 BLOCK_SIZE = 32
 # 4: int8 activations (the fast x86 kernels); 0: the unset default (fp32 activations).
 ACCURACY_LEVEL = 4
+SYMMETRIC = False
 # Bump when the recipe below changes: cached runtime graphs are keyed by it.
 RECIPE_VERSION = 1
 GRAPH_META = "graph.json"
@@ -85,7 +86,9 @@ def materialize_transposed_weights(model) -> int:
     return before - _count_ops(model, "Transpose")
 
 
-def quantize_matmuls(proto, bits: int, *, block_size: int = BLOCK_SIZE, accuracy_level: int = ACCURACY_LEVEL):
+def quantize_matmuls(
+    proto, bits: int, *, block_size: int = BLOCK_SIZE, accuracy_level: int = ACCURACY_LEVEL, symmetric: bool = SYMMETRIC
+):
     """Every MatMul with a constant 2-D weight -> ``MatMulNBits``; returns (model proto, count)."""
     import logging
 
@@ -93,7 +96,7 @@ def quantize_matmuls(proto, bits: int, *, block_size: int = BLOCK_SIZE, accuracy
 
     logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
     quantizer = MatMulNBitsQuantizer(
-        proto, bits=bits, block_size=block_size, is_symmetric=False, accuracy_level=accuracy_level
+        proto, bits=bits, block_size=block_size, is_symmetric=symmetric, accuracy_level=accuracy_level
     )
     quantizer.process()
     result = quantizer.model.model
@@ -140,7 +143,14 @@ def streamed_weight_bytes(path: Path) -> int:
 
 
 def optimize_graph(
-    source: Path, target: Path, weight_format: WeightFormat, *, progress: Progress | None = None
+    source: Path,
+    target: Path,
+    weight_format: WeightFormat,
+    *,
+    block_size: int = BLOCK_SIZE,
+    accuracy_level: int = ACCURACY_LEVEL,
+    symmetric: bool = SYMMETRIC,
+    progress: Progress | None = None,
 ) -> RuntimeGraph:
     """Write the embedded backend's graph of ``source`` (the contract graph) to ``target``."""
     import onnx_ir as ir
@@ -158,8 +168,10 @@ def optimize_graph(
             ir.save(model, str(staged), external_data=staged.name + ".data")
         else:
             fusions["materialized_weights"] = materialize_transposed_weights(model)
-            say(f"quantizing MatMul weights to {weight_format} (MatMulNBits, block {BLOCK_SIZE})")
-            proto, quantized = quantize_matmuls(ir.to_proto(model), bits)
+            say(f"quantizing MatMul weights to {weight_format} (MatMulNBits, block {block_size})")
+            proto, quantized = quantize_matmuls(
+                ir.to_proto(model), bits, block_size=block_size, accuracy_level=accuracy_level, symmetric=symmetric
+            )
             _save_proto(proto, staged)
         say("optimizing the graph with ONNX Runtime (extended level)")
         ort_offline(staged, target)
@@ -168,8 +180,8 @@ def optimize_graph(
         weight_format=weight_format,
         fusions=fusions,
         quantized_matmuls=quantized,
-        block_size=BLOCK_SIZE if bits else None,
-        accuracy_level=ACCURACY_LEVEL if bits else None,
+        block_size=block_size if bits else None,
+        accuracy_level=accuracy_level if bits else None,
         weight_bytes=streamed_weight_bytes(target),
         seconds=round(time.perf_counter() - begin, 2),
     )
