@@ -80,6 +80,11 @@ class RuntimeGraph(BaseModel):
     block_size: int | None = None
     accuracy_level: int | None = None
     weight_bytes: int  # initializer bytes every call reads (embedding tables excluded)
+    # Calls of fewer tokens per row are padded up to this many. ONNX Runtime computes a one-token row
+    # on other fp32 kernels (GEMV) than a several-token row; their ~1e-7 differences are harmless in
+    # fp32, but int8 activation quantization (MatMulNBits accuracy level 4) turns one into a whole
+    # rounding step, ~0.5 logits after SmolLM2's 30 layers: speculative output would not be greedy.
+    min_seq_len: int = Field(default=1, ge=1)
     seconds: float
 
 

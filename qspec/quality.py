@@ -22,7 +22,7 @@ import numpy as np
 from pydantic import Field
 
 from qspec.runtime.engine import Engine
-from qspec.runtime.model import CompiledModel
+from qspec.runtime.backend import LoadedModel
 from qspec.runtime.sampling import SamplingParams
 from qspec.common import FrozenModel
 
@@ -39,7 +39,7 @@ class QualityReport(FrozenModel):
     first_divergence: list[int | None]  # per prompt: index of the first differing output token
 
 
-def teacher_forced_argmax(model: CompiledModel, tokens: Sequence[int]) -> np.ndarray:
+def teacher_forced_argmax(model: LoadedModel, tokens: Sequence[int]) -> np.ndarray:
     """Argmax of the next token after every prefix of ``tokens``: ``out[i]`` predicts ``tokens[i + 1]``.
 
     Feeds ``tokens`` through row 0 of the largest decode specialization, K + 1 tokens per call at
@@ -48,7 +48,7 @@ def teacher_forced_argmax(model: CompiledModel, tokens: Sequence[int]) -> np.nda
     pad]``, whose last 2 logits belong to ``t5, t6``.
     """
     bound = model.decode[model.ks[-1]]
-    width = bound.input_ids.shape[1]
+    width = bound.spec.seq_len
     if len(tokens) > model.ctx_len:
         raise ValueError(f"{len(tokens)} tokens do not fit the package's ctx_len {model.ctx_len}")
     out = []

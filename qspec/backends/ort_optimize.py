@@ -41,11 +41,13 @@ Progress = Callable[[str], None]
 # MatMulNBits settings, measured on the 2-core x86 machines (see the notes of issue 10).
 BITS: dict[str, int] = {"int8": 8, "int4": 4}
 BLOCK_SIZE = 32
-# 4: int8 activations (the fast x86 kernels); 0: the unset default (fp32 activations).
-ACCURACY_LEVEL = 4
+# 4: int8 activations (the fast x86 kernels); 0: the unset default (fp32 activations: on this CPU
+# int4 K=4 calls cost ~2x level 4's and int8 calls ~20x, there is no fast fp32-activation kernel).
+INT8_ACTIVATIONS = 4
+ACCURACY_LEVEL = INT8_ACTIVATIONS
 SYMMETRIC = False
 # Bump when the recipe below changes: cached runtime graphs are keyed by it.
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
 GRAPH_META = "graph.json"
 # Initializers below this size stay inside the .onnx file.
 EXTERNAL_MIN_BYTES = 1024
@@ -183,6 +185,7 @@ def optimize_graph(
         block_size=block_size if bits else None,
         accuracy_level=accuracy_level if bits else None,
         weight_bytes=streamed_weight_bytes(target),
+        min_seq_len=2 if bits and accuracy_level == INT8_ACTIVATIONS else 1,
         seconds=round(time.perf_counter() - begin, 2),
     )
 

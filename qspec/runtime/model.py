@@ -80,7 +80,8 @@ class CompiledModel(LoadedModel):
         elif session_mode == "static":
             for spec in specs:
                 # Several sessions in one process: none spins, so an idle one never steals the cores.
-                sessions[spec] = ort_backend.create_session(onnx_path, spec, spinning=False, num_threads=num_threads)
+                padded = self._padded(spec)
+                sessions[spec] = ort_backend.create_session(onnx_path, padded, spinning=False, num_threads=num_threads)
         else:
             raise ValueError(f"session_mode {session_mode!r}: use 'shared' or 'static'")
         self.load_seconds = time.perf_counter() - begin
@@ -92,8 +93,19 @@ class CompiledModel(LoadedModel):
         self.bindings: dict[Specialization, OrtBinding] = {spec: self._bind(spec, sessions[spec]) for spec in specs}
         self._index()
 
+    def _padded(self, spec: Specialization) -> Specialization:
+        """``spec`` with ``seq_len`` widened to the graph's ``min_seq_len`` (int8/int4 graphs: 2).
+
+        The extra columns stay padding (PAD_POSITION), which the contract makes harmless: this only
+        keeps a one-token row on the same kernels as the rows of a K + 1 verify call (see
+        ``RuntimeGraph.min_seq_len``), so speculative greedy output stays exact.
+        """
+        graph = self.manifest.runtime_graph
+        need = graph.min_seq_len if graph is not None else 1
+        return spec if spec.seq_len >= need else spec.model_copy(update={"seq_len": need})
+
     def _bind(self, spec: Specialization, session: ort.InferenceSession) -> OrtBinding:
-        arrays = host_arrays(spec, self.vocab_size, continuous_batching=self.continuous_batching)
+        arrays = host_arrays(self._padded(spec), self.vocab_size, continuous_batching=self.continuous_batching)
         binding = session.io_binding()
         values = [ort.OrtValue.ortvalue_from_numpy(arrays[name]) for name in ("input_ids", "position_ids", "logits")]
         binding.bind_ortvalue_input(contract.INPUT_IDS, values[0])
