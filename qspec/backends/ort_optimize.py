@@ -47,7 +47,7 @@ INT8_ACTIVATIONS = 4
 ACCURACY_LEVEL = INT8_ACTIVATIONS
 SYMMETRIC = False
 # Bump when the recipe below changes: cached runtime graphs are keyed by it.
-RECIPE_VERSION = 2
+RECIPE_VERSION = 3
 GRAPH_META = "graph.json"
 # Initializers below this size stay inside the .onnx file.
 EXTERNAL_MIN_BYTES = 1024
@@ -162,7 +162,10 @@ def optimize_graph(
     model = ir.load(str(source))
     ir.external_data.load_to_model(model)  # in memory: the quantizer reads weights from the proto
     say("fusing RMSNorm and skip-RMSNorm (onnxscript)")
+    contract_shapes = {value.name: value.shape for value in (*model.graph.inputs, *model.graph.outputs)}
     fusions = fuse(model)
+    for value in (*model.graph.inputs, *model.graph.outputs):  # shape inference may rename symbolic dims
+        value.shape = contract_shapes[value.name]
     quantized, bits = 0, BITS.get(weight_format)
     with tempfile.TemporaryDirectory(prefix=".optimize-", dir=target.parent) as tmp:
         staged = Path(tmp) / "model.onnx"
