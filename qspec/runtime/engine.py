@@ -149,8 +149,10 @@ class Engine:
         ``num_speculative_tokens`` restricts dispatch to a subset of the compiled Ks (default: all).
         ``dispatch``: ``cover`` runs the smallest K covering the longest proposal; ``cost`` the K
         with the most expected tokens per ms (see :mod:`qspec.runtime.dispatch`); ``auto`` (default)
-        is ``cover`` with one sequence in flight and ``cost`` with more, where one long proposal
-        would make every row pay for K + 1 tokens (measured: batch-4 cover 0.71x none, cost 1.04x).
+        is ``cost`` for a step with several greedy sequences, where one long proposal would make every
+        row pay for K + 1 tokens (measured: batch-4 cover 0.71x none, cost 1.04x), and ``cover``
+        otherwise: with one sequence, and whenever one samples, since ``cost`` depends on measured
+        call times and a seeded sampled request must give the same tokens every run.
         ``max_batch_size`` caps the sequences in flight (default: every KV slot of the package).
         ``backend``: where the package runs, ``ort`` (ONNX Runtime, CPU) or ``qaic`` (its QPC on Cloud
         AI 100, :mod:`qspec.runtime.qaic`); the engine is the same on both.
@@ -195,7 +197,7 @@ class Engine:
         self.eos_token_ids = frozenset(eos)
         if dispatch not in DISPATCH_MODES:
             raise ConfigError(f"dispatch {dispatch!r}: use {', '.join(DISPATCH_MODES)}")
-        self.dispatch = dispatch if dispatch != "auto" else ("cover" if self.num_slots == 1 else "cost")
+        self.dispatch = dispatch if not (dispatch == "auto" and self.num_slots == 1) else "cover"
         self.stats = AcceptanceStats(self.k_max)
         self.last_metrics: EngineMetrics | None = None
         self.calls: dict[Any, int] = {"prefill": 0, **{k: 0 for k in self.ks}}  # since load
@@ -218,7 +220,7 @@ class Engine:
         for k in self.ks:
             bound = self.model.decode[k]
             times = []
-            for _ in range(repeats if self.dispatch == "cost" else 0):
+            for _ in range(repeats if self.dispatch in ("cost", "auto") else 0):
                 begin = time.perf_counter()
                 self.model.run(bound)
                 times.append((time.perf_counter() - begin) * 1000)
@@ -297,11 +299,17 @@ class Engine:
             accepted, bonus = accept_sampled(probs, drafts, seq.rng, proposal.probs)
         return [*drafts[:accepted].tolist(), int(bonus)]
 
+    def dispatch_for(self, live: list[_Sequence]) -> str:
+        """``cover`` or ``cost`` for this step (``auto``: cost only for several greedy sequences)."""
+        if self.dispatch != "auto":
+            return self.dispatch
+        return "cost" if len(live) > 1 and all(seq.params.greedy for seq in live) else "cover"
+
     def decode(self, live: list[_Sequence]) -> None:
         """One decode step for every live sequence: propose, pick K, verify, accept."""
         batch = list(zip(live, self.propose(live)))
         lengths = [len(p) for _, p in batch]
-        if self.dispatch == "cost":
+        if self.dispatch_for(live) == "cost":
             k = pick_k_by_cost(self.ks, self.call_ms, lengths, self.stats.chain())
         else:
             k = pick_k(self.ks, max(lengths))
