@@ -142,7 +142,8 @@ def specializations(
     """Write specializations.json for the given shapes (no model needed)."""
 
     def work() -> None:
-        from qspec.specializations import SpecializationsFile, make_config
+        from qspec.spec_file import SpecializationsFile
+        from qspec.specializations import make_config
 
         config = make_config(
             num_speculative_tokens=num_speculative_tokens,

@@ -38,13 +38,8 @@ from qspec.package import (
     runtime_graph_file,
     write_package_atomic,
 )
-from qspec.specializations import (
-    SpecFormat,
-    SpecializationConfig,
-    build_specializations,
-    check_model_speculative_config,
-    write_specializations,
-)
+from qspec.spec_file import SpecFormat, write_specializations
+from qspec.specializations import SpecializationConfig, build_specializations, check_model_speculative_config
 
 Progress = Callable[[str], None]
 

@@ -27,7 +27,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from qspec.backends.qaic import QaicResult
 from qspec.errors import PackageError
-from qspec.specializations import SpecFormat, Specialization, SpecializationConfig, read_specializations
+from qspec.spec_file import SpecFormat, read_specializations
+from qspec.specializations import Specialization, SpecializationConfig
 
 MANIFEST = "manifest.json"
 ONNX_FILE = "model.onnx"

@@ -25,7 +25,8 @@ from qspec.backends.qaic import (
     qaic_compile_argv,
 )
 from qspec.errors import CompileError, ConfigError
-from qspec.specializations import build_specializations, make_config, write_specializations
+from qspec.spec_file import write_specializations
+from qspec.specializations import build_specializations, make_config
 
 FAKE_COMPILER = Path(__file__).parent / "fake_qaic" / "qaic-compile"
 NUM_LAYERS = 2

@@ -18,10 +18,8 @@ from qspec.specializations import (
     make_config,
     model_speculative_length,
     parse_num_speculative_tokens,
-    read_specializations,
-    specializations_to_json,
-    write_specializations,
 )
+from qspec.spec_file import read_specializations, specializations_to_json, write_specializations
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = json.loads((ROOT / "specializations" / "schema.json").read_text())
