@@ -6,8 +6,10 @@
 >>> out.text, out.metrics.mean_accepted_tokens, engine.last_metrics.output_tokens_per_s
 """
 
-from qspec.runtime.engine import Engine, RequestDelta, RequestOutput, pick_k
+from qspec.runtime.dispatch import pick_k
+from qspec.runtime.engine import Engine
 from qspec.runtime.metrics import EngineMetrics, RequestMetrics
+from qspec.runtime.request import RequestDelta, RequestOutput
 from qspec.runtime.sampling import SamplingParams
 
 __all__ = ["Engine", "EngineMetrics", "RequestDelta", "RequestMetrics", "RequestOutput", "SamplingParams", "pick_k"]

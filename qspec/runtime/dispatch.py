@@ -1,6 +1,6 @@
 """Which compiled K a decode step runs.
 
-``cover`` (the default, DESIGN.md): the smallest K that covers the batch's longest proposal.
+``cover`` (the default, :func:`pick_k`): the smallest K that covers the batch's longest proposal.
 
 ``cost``: the K with the most expected tokens per millisecond, drafts cut to it. With several
 sequences in flight one long proposal would otherwise make every row pay for ``seq_len = K + 1``;
@@ -17,13 +17,56 @@ K=0 gives 2 tokens / 40 ms = 0.050; K=4 gives 2 + (0.5 + 0.25 + 0.125 + 0.0625) 
 
 from __future__ import annotations
 
+import bisect
+import time
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from qspec.errors import ConfigError
+
 DISPATCH_MODES = ("auto", "cover", "cost")  # auto: cover with one sequence in flight, cost with more
 PRIOR_ACCEPTED = 1.0  # a weak prior of c_i = 0.5 until drafts have been verified
 PRIOR_TRIED = 2.0
+
+
+def pick_k(ks: Sequence[int], proposed: int) -> int:
+    """``cover``: the smallest compiled K that covers ``proposed`` drafts (the largest K if none does).
+
+    ``pick_k([0, 4], 0) == 0``, ``pick_k([0, 4], 2) == 4``, ``pick_k([1, 4], 0) == 1``.
+    """
+    i = bisect.bisect_left(ks, proposed)
+    return ks[min(i, len(ks) - 1)]
+
+
+def restrict_ks(compiled: Sequence[int], requested: Sequence[int] | str | None) -> list[int]:
+    """The Ks dispatch may pick: ``requested`` (which must all be compiled), or every compiled K."""
+    if requested is None:
+        return list(compiled)
+    from qspec.specializations import parse_num_speculative_tokens
+
+    subset = list(parse_num_speculative_tokens(requested))
+    missing = [k for k in subset if k not in compiled]
+    if missing:
+        raise ConfigError(
+            f"num_speculative_tokens {missing} not compiled in this package (it has {list(compiled)}); "
+            "pick from those or recompile with them"
+        )
+    return subset
+
+
+def measure_costs(model, ks: Sequence[int], repeats: int) -> dict[int, float]:
+    """Median ms of a call of each K's decode specialization on padding; ``repeats=0``: K + 1 (tokens per call)."""
+    costs = {}
+    for k in ks:
+        bound = model.decode[k]
+        times = []
+        for _ in range(repeats):
+            begin = time.perf_counter()
+            model.run(bound)
+            times.append((time.perf_counter() - begin) * 1000)
+        costs[k] = float(np.median(times)) if times else float(k + 1)
+    return costs
 
 
 def expected_tokens(lengths: Sequence[int], k: int, chain: np.ndarray) -> float:

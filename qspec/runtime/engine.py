@@ -22,101 +22,48 @@ output of plain greedy decoding of the same model.
 
 from __future__ import annotations
 
-import bisect
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from qspec import contract
-from qspec.errors import ConfigError, PromptTooLongError
-from qspec.runtime.dispatch import DISPATCH_MODES, AcceptanceStats, pick_k_by_cost
-from qspec.runtime.metrics import EngineMetrics, RequestMetrics, aggregate
+from qspec.errors import ConfigError
+from qspec.package import TOKENIZER_DIR
 from qspec.runtime.backend import LoadedModel, SessionMode, load_model
+from qspec.runtime.dispatch import (
+    DISPATCH_MODES,
+    AcceptanceStats,
+    measure_costs,
+    pick_k,
+    pick_k_by_cost,
+    restrict_ks,
+)
+from qspec.runtime.metrics import EngineMetrics, aggregate
 from qspec.runtime.prefill import PrefillRow, run_prefill
 from qspec.runtime.proposal import Proposal, Proposer
 from qspec.runtime.proposers import make_proposer
-from qspec.runtime.sampling import SamplingParams, accept_greedy, accept_sampled, make_rng, process_logits
+from qspec.runtime.request import (
+    Prompt,
+    RequestDelta,
+    RequestOutput,
+    SequenceState,
+    TextCallback,
+    as_prompt_list,
+    check_fits,
+)
+from qspec.runtime.sampling import (
+    SamplingParams,
+    accept_greedy,
+    accept_sampled,
+    make_rng,
+    process_logits,
+    sample_tokens,
+)
 from qspec.runtime.tokenizer import TextStream, Tokenizer
-from qspec.package import TOKENIZER_DIR
-
-Prompt = str | Sequence[int] | list[dict[str, str]]
-TextCallback = Callable[[int, str], None]  # (request index, new text)
-
-
-@dataclass
-class RequestOutput:
-    """What one request produced."""
-
-    index: int
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str  # "stop" (EOS or a stop string), "length" (max_new_tokens or ctx_len)
-    metrics: RequestMetrics
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "index": self.index,
-            "prompt_tokens": len(self.prompt_token_ids),
-            "token_ids": self.token_ids,
-            "text": self.text,
-            "finish_reason": self.finish_reason,
-            "metrics": self.metrics.to_dict(),
-        }
-
-
-@dataclass
-class RequestDelta:
-    """What one request produced in one scheduler :meth:`Engine.step`."""
-
-    request_id: int
-    token_ids: list[int]  # new in this step
-    text: str  # new in this step (held back mid-character, cut before a stop string)
-    proposed: int = 0  # drafts verified for it in this step
-    accepted: int = 0  # of which accepted
-    finish_reason: str | None = None  # on its last delta: "stop", "length" or "abort"
-    output: RequestOutput | None = None  # on its last delta: the whole request
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass
-class _Sequence:
-    """A request in flight."""
-
-    index: int
-    prompt: list[int]
-    params: SamplingParams
-    slot: int = -1
-    position: int = 0
-    last: int = -1
-    output: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    stream: TextStream | None = None
-    rng: np.random.Generator | None = None
-    metrics: RequestMetrics = field(default_factory=RequestMetrics)
-    new_tokens: list[int] = field(default_factory=list)  # since the last delta
-    new_text: str = ""
-
-    @property
-    def remaining(self) -> int:
-        return self.params.max_new_tokens - len(self.output)
-
-
-def pick_k(ks: Sequence[int], proposed: int) -> int:
-    """The smallest compiled K that covers ``proposed`` drafts (the largest K if none does).
-
-    ``pick_k([0, 4], 0) == 0``, ``pick_k([0, 4], 2) == 4``, ``pick_k([1, 4], 0) == 1``.
-    """
-    i = bisect.bisect_left(ks, proposed)
-    return ks[min(i, len(ks) - 1)]
 
 
 class Engine:
@@ -167,18 +114,7 @@ class Engine:
         self.tokenizer = Tokenizer(self.model.package / TOKENIZER_DIR)
         self.method = method
         self.proposer: Proposer = proposer or make_proposer(method, **method_options)
-        self.ks = self.model.ks
-        if num_speculative_tokens is not None:
-            from qspec.specializations import parse_num_speculative_tokens
-
-            subset = list(parse_num_speculative_tokens(num_speculative_tokens))
-            missing = [k for k in subset if k not in self.ks]
-            if missing:
-                raise ConfigError(
-                    f"num_speculative_tokens {missing} not compiled in this package (it has {self.ks}); "
-                    "pick from those or recompile with them"
-                )
-            self.ks = subset
+        self.ks = restrict_ks(self.model.ks, num_speculative_tokens)
         self.k_max = self.ks[-1] if method != "none" else 0
         slots = self.model.rows
         if max_batch_size is not None:
@@ -201,31 +137,17 @@ class Engine:
         self.stats = AcceptanceStats(self.k_max)
         self.last_metrics: EngineMetrics | None = None
         self.calls: dict[Any, int] = {"prefill": 0, **{k: 0 for k in self.ks}}  # since load
-        self._waiting: deque[_Sequence] = deque()
-        self._slots: list[_Sequence | None] = [None] * self.num_slots
-        self._updated: dict[int, _Sequence] = {}  # requests with news for the next delta
+        self._waiting: deque[SequenceState] = deque()
+        self._slots: list[SequenceState | None] = [None] * self.num_slots
+        self._updated: dict[int, SequenceState] = {}  # requests with news for the next delta
         self._next_id = 0
         self.call_ms = self.warmup()
 
     def warmup(self, repeats: int = 3) -> dict[int, float]:
-        """Run every specialization on padding only; returns the median ms of each decode K.
-
-        The first request then pays no set-up, and ``cost`` dispatch knows each call's price.
-        Padding rewrites values a slot already holds, so the cache is unchanged.
-        """
-        for bound in self.model.bindings.values():
-            bound.reset()
-            self.model.run(bound)
-        costs = {}
-        for k in self.ks:
-            bound = self.model.decode[k]
-            times = []
-            for _ in range(repeats if self.dispatch in ("cost", "auto") else 0):
-                begin = time.perf_counter()
-                self.model.run(bound)
-                times.append((time.perf_counter() - begin) * 1000)
-            costs[k] = float(np.median(times)) if times else float(k + 1)
-        return costs
+        """Run every specialization on padding (the first request pays no set-up); returns each decode K's
+        price for ``cost`` dispatch (measured only when it may dispatch by cost)."""
+        self.model.warm_up()
+        return measure_costs(self.model, self.ks, repeats if self.dispatch in ("cost", "auto") else 0)
 
     # ------------------------------------------------------------------ prompts
 
@@ -237,42 +159,32 @@ class Engine:
             return self.tokenizer.encode_chat(list(prompt))
         return [int(t) for t in prompt]
 
-    def _check_fits(self, name: str, prompt: list[int]) -> None:
-        ctx = self.model.ctx_len
-        if not prompt:
-            raise ConfigError(f"{name} is empty; give at least one token")
-        if len(prompt) > ctx:
-            raise PromptTooLongError(
-                f"{name} has {len(prompt)} tokens but the package's ctx_len is {ctx}; "
-                f"shorten the prompt or compile with --ctx-len {len(prompt) + 128} or more"
-            )
-
     # ------------------------------------------------------------------ phases
 
-    def prefill(self, group: list[_Sequence]) -> None:
+    def prefill(self, group: list[SequenceState]) -> None:
         """Run the prompts of ``group`` in chunks of ``prefill_seq_len``; sets each one's first token."""
 
         def first_token(i: int, logits: np.ndarray) -> None:  # logits [1, vocab] after the prompt
             seq = group[i]
             seq.position = len(seq.prompt)
-            first = self._sample(seq, logits)[0]
+            first = sample_tokens(logits, seq.params, seq.rng)[0]
             seq.metrics.first_token(time.perf_counter())
             self._emit(seq, [first])
 
         rows = [PrefillRow(seq.slot, seq.prompt) for seq in group]
         self.calls["prefill"] += run_prefill(self.model, rows, first_token)
 
-    def draft_cap(self, seq: _Sequence) -> int:
+    def draft_cap(self, seq: SequenceState) -> int:
         """Most drafts ``seq`` may verify: no position may reach ``ctx_len``, no token past the budget."""
         return max(0, min(self.k_max, self.model.ctx_len - 1 - seq.position, seq.remaining - 1))
 
-    def propose(self, live: list[_Sequence]) -> list[Proposal]:
+    def propose(self, live: list[SequenceState]) -> list[Proposal]:
         """A proposal for every live sequence, each cut to its :meth:`draft_cap`."""
         caps = [self.draft_cap(seq) for seq in live]
         proposals = self.proposer.propose_batch([(seq.index, cap) for seq, cap in zip(live, caps)])
         return [proposal.cut(cap) for proposal, cap in zip(proposals, caps)]
 
-    def verify(self, k: int, batch: list[tuple[_Sequence, np.ndarray]]) -> np.ndarray:
+    def verify(self, k: int, batch: list[tuple[SequenceState, np.ndarray]]) -> np.ndarray:
         """One call of the ``seq_len = k + 1`` specialization; logits ``[rows, k + 1, vocab]``."""
         bound = self.model.decode_for(k, max(seq.position + len(drafts) + 1 for seq, drafts in batch))
         bound.reset()
@@ -284,13 +196,13 @@ class Engine:
         self.calls[k] += 1
         return self.model.run(bound)
 
-    def accept(self, seq: _Sequence, proposal: Proposal, logits: np.ndarray) -> list[int]:
+    def accept(self, seq: SequenceState, proposal: Proposal, logits: np.ndarray) -> list[int]:
         """Accepted drafts plus the bonus, from this row's ``[n + 1, vocab]`` logits."""
         drafts = proposal.tokens
         n = len(drafts)
         if self.force_accept is not None:
             accepted = min(n, self.force_accept)
-            bonus = self._sample(seq, logits[accepted : accepted + 1])[0]
+            bonus = sample_tokens(logits[accepted : accepted + 1], seq.params, seq.rng)[0]
             return [*drafts[:accepted].tolist(), bonus]
         if seq.params.greedy:
             accepted, bonus = accept_greedy(logits.argmax(axis=-1), drafts)
@@ -299,13 +211,13 @@ class Engine:
             accepted, bonus = accept_sampled(probs, drafts, seq.rng, proposal.probs)
         return [*drafts[:accepted].tolist(), int(bonus)]
 
-    def dispatch_for(self, live: list[_Sequence]) -> str:
+    def dispatch_for(self, live: list[SequenceState]) -> str:
         """``cover`` or ``cost`` for this step (``auto``: cost only for several greedy sequences)."""
         if self.dispatch != "auto":
             return self.dispatch
         return "cost" if len(live) > 1 and all(seq.params.greedy for seq in live) else "cover"
 
-    def decode(self, live: list[_Sequence]) -> None:
+    def decode(self, live: list[SequenceState]) -> None:
         """One decode step for every live sequence: propose, pick K, verify, accept."""
         batch = list(zip(live, self.propose(live)))
         lengths = [len(p) for _, p in batch]
@@ -327,15 +239,7 @@ class Engine:
 
     # ------------------------------------------------------------------ bookkeeping
 
-    def _sample(self, seq: _Sequence, logits: np.ndarray) -> list[int]:
-        if seq.params.greedy:
-            return [int(t) for t in logits.argmax(axis=-1)]
-        from qspec.runtime.sampling import sample_token
-
-        probs = process_logits(logits, seq.params)
-        return [sample_token(p, seq.rng) for p in probs]
-
-    def _emit(self, seq: _Sequence, tokens: list[int]) -> None:
+    def _emit(self, seq: SequenceState, tokens: list[int]) -> None:
         """Append ``tokens`` until a stop; the last one kept becomes ``seq.last``."""
         kept = []
         for token in tokens:
@@ -353,7 +257,7 @@ class Engine:
         if seq.stream is not None:
             new_text = seq.stream.push(kept)
             if seq.params.stop:
-                cut = self._cut_at_stop(seq, len(new_text))
+                cut = seq.cut_at_stop(len(new_text))
                 if cut is not None:
                     seq.finish_reason = "stop"
                     new_text = new_text[: max(0, len(new_text) - cut)]  # stream up to the stop string
@@ -362,22 +266,6 @@ class Engine:
             seq.finish_reason = "length"  # `last` has no slot left to be written to
         if seq.finish_reason is None:
             self.proposer.extend(seq.index, kept)
-
-    def _cut_at_stop(self, seq: _Sequence, new_chars: int) -> int | None:
-        """Cut the text before the first stop string; returns how many characters were cut, or None.
-
-        Earlier text was checked when it arrived, so a new match must overlap the ``new_chars`` newest.
-        """
-        text = seq.stream.text
-        matches = []
-        for stop in seq.params.stop:
-            at = text.find(stop, max(0, len(text) - new_chars - len(stop) + 1))
-            if at >= 0:
-                matches.append(at)
-        if not matches:
-            return None
-        seq.stream.text = text[: min(matches)]
-        return len(text) - min(matches)
 
     # ------------------------------------------------------------------ scheduler
 
@@ -396,16 +284,16 @@ class Engine:
 
     def check_prompt(self, prompt_ids: Sequence[int], *, name: str = "prompt") -> None:
         """Raise unless ``prompt_ids`` fits the package's context (PromptTooLongError names both numbers)."""
-        self._check_fits(name, list(prompt_ids))
+        check_fits(name, list(prompt_ids), self.model.ctx_len)
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None, *, arrival: float | None = None) -> int:
         """Queue a request; it joins the batch at a later :meth:`step`. Returns its request id."""
         ids = [int(t) for t in prompt_ids]
         request_id = self._next_id
-        self._check_fits(f"prompt of request {request_id}", ids)
+        check_fits(f"prompt of request {request_id}", ids, self.model.ctx_len)
         self._next_id += 1
         params = params or SamplingParams()
-        seq = _Sequence(request_id, ids, params, stream=TextStream(self.tokenizer), rng=make_rng(params.seed))
+        seq = SequenceState(request_id, ids, params, stream=TextStream(self.tokenizer), rng=make_rng(params.seed))
         seq.metrics.arrival = time.perf_counter() if arrival is None else arrival
         self._waiting.append(seq)
         return request_id
@@ -470,20 +358,7 @@ class Engine:
 
     def _drain(self, before: dict[int, tuple[int, int]] | None = None) -> list[RequestDelta]:
         """The deltas of every request updated since the last drain (new tokens and text, speculation counts)."""
-        deltas = []
-        for seq in self._updated.values():
-            proposed, accepted = (before or {}).get(seq.index, (seq.metrics.proposed, seq.metrics.accepted))
-            delta = RequestDelta(
-                seq.index,
-                seq.new_tokens,
-                seq.new_text,
-                proposed=seq.metrics.proposed - proposed,
-                accepted=seq.metrics.accepted - accepted,
-                finish_reason=seq.finish_reason,
-                output=self._output(seq) if seq.finish_reason is not None else None,
-            )
-            seq.new_tokens, seq.new_text = [], ""
-            deltas.append(delta)
+        deltas = [seq.take_delta(self.tokenizer, (before or {}).get(seq.index)) for seq in self._updated.values()]
         self._updated = {}
         return deltas
 
@@ -505,9 +380,7 @@ class Engine:
         Metrics of the call are in :attr:`last_metrics`. A thin loop over :meth:`add_request` and
         :meth:`step`; the engine must have no request of its own in flight.
         """
-        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], (int, np.integer, dict))):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = as_prompt_list(prompts)
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
@@ -516,7 +389,7 @@ class Engine:
             raise ConfigError("generate() needs an idle engine: requests added with add_request() are still in flight")
         encoded = [self.encode(p, chat=chat) for p in prompts]
         for i, ids in enumerate(encoded):
-            self._check_fits(f"prompt {i}", ids)
+            check_fits(f"prompt {i}", ids, self.model.ctx_len)
         calls_before = dict(self.calls)
         start = time.perf_counter()
         order = {self.add_request(ids, p, arrival=start): i for i, (ids, p) in enumerate(zip(encoded, params))}
@@ -537,7 +410,3 @@ class Engine:
         calls = {k: n - calls_before[k] for k, n in self.calls.items()}
         self.last_metrics = aggregate([o.metrics for o in outputs], wall, calls)
         return outputs
-
-    def _output(self, seq: _Sequence) -> RequestOutput:
-        text = seq.stream.text if seq.stream is not None else self.tokenizer.decode(seq.output)
-        return RequestOutput(seq.index, seq.prompt, seq.output, text, seq.finish_reason or "length", seq.metrics)

@@ -102,6 +102,13 @@ def sample_token(probs: np.ndarray, rng: np.random.Generator) -> int:
 # --------------------------------------------------------------------------------------------
 
 
+def sample_tokens(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator | None) -> list[int]:
+    """One token per row of ``logits`` [n, vocab]: the argmax when greedy, else drawn from the processed distribution."""
+    if params.greedy:
+        return [int(t) for t in logits.argmax(axis=-1)]
+    return [sample_token(p, rng) for p in process_logits(logits, params)]
+
+
 def process_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """Target probabilities [n, vocab] float64 from logits [n, vocab]: temperature, top-k, top-p.
 

@@ -1,0 +1,138 @@
+"""A request in the engine: its state while in flight, what it produced, and what each step added.
+
+:class:`SequenceState` is the engine's per-request record (slot, position, output, stream, metrics);
+:class:`RequestOutput` is the finished request, :class:`RequestDelta` what one scheduler step added.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from qspec.errors import ConfigError, PromptTooLongError
+from qspec.runtime.metrics import RequestMetrics
+from qspec.runtime.sampling import SamplingParams
+from qspec.runtime.tokenizer import TextStream, Tokenizer
+
+Prompt = str | Sequence[int] | list[dict[str, str]]
+TextCallback = Callable[[int, str], None]  # (request index, new text)
+
+
+@dataclass
+class RequestOutput:
+    """What one request produced."""
+
+    index: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" (EOS or a stop string), "length" (max_new_tokens or ctx_len)
+    metrics: RequestMetrics
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "prompt_tokens": len(self.prompt_token_ids),
+            "token_ids": self.token_ids,
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "metrics": self.metrics.to_dict(),
+        }
+
+
+@dataclass
+class RequestDelta:
+    """What one request produced in one scheduler :meth:`Engine.step`."""
+
+    request_id: int
+    token_ids: list[int]  # new in this step
+    text: str  # new in this step (held back mid-character, cut before a stop string)
+    proposed: int = 0  # drafts verified for it in this step
+    accepted: int = 0  # of which accepted
+    finish_reason: str | None = None  # on its last delta: "stop", "length" or "abort"
+    output: RequestOutput | None = None  # on its last delta: the whole request
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class SequenceState:
+    """A request in flight."""
+
+    index: int
+    prompt: list[int]
+    params: SamplingParams
+    slot: int = -1
+    position: int = 0
+    last: int = -1
+    output: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stream: TextStream | None = None
+    rng: np.random.Generator | None = None
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    new_tokens: list[int] = field(default_factory=list)  # since the last delta
+    new_text: str = ""
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_new_tokens - len(self.output)
+
+    def cut_at_stop(self, new_chars: int) -> int | None:
+        """Cut the text before the first stop string; returns how many characters were cut, or None.
+
+        Earlier text was checked when it arrived, so a new match must overlap the ``new_chars`` newest.
+        """
+        text = self.stream.text
+        matches = []
+        for stop in self.params.stop:
+            at = text.find(stop, max(0, len(text) - new_chars - len(stop) + 1))
+            if at >= 0:
+                matches.append(at)
+        if not matches:
+            return None
+        self.stream.text = text[: min(matches)]
+        return len(text) - min(matches)
+
+    def to_output(self, tokenizer: Tokenizer) -> RequestOutput:
+        text = self.stream.text if self.stream is not None else tokenizer.decode(self.output)
+        return RequestOutput(self.index, self.prompt, self.output, text, self.finish_reason or "length", self.metrics)
+
+    def take_delta(self, tokenizer: Tokenizer, before: tuple[int, int] | None) -> RequestDelta:
+        """What the request produced since the last delta; ``before``: (proposed, accepted) at the step's start."""
+        proposed, accepted = before or (self.metrics.proposed, self.metrics.accepted)
+        delta = RequestDelta(
+            self.index,
+            self.new_tokens,
+            self.new_text,
+            proposed=self.metrics.proposed - proposed,
+            accepted=self.metrics.accepted - accepted,
+            finish_reason=self.finish_reason,
+            output=self.to_output(tokenizer) if self.finish_reason is not None else None,
+        )
+        self.new_tokens, self.new_text = [], ""
+        return delta
+
+
+def check_fits(name: str, prompt: list[int], ctx_len: int) -> None:
+    """Raise unless ``prompt`` has at least one token and fits ``ctx_len`` (the error names both numbers)."""
+    if not prompt:
+        raise ConfigError(f"{name} is empty; give at least one token")
+    if len(prompt) > ctx_len:
+        raise PromptTooLongError(
+            f"{name} has {len(prompt)} tokens but the package's ctx_len is {ctx_len}; "
+            f"shorten the prompt or compile with --ctx-len {len(prompt) + 128} or more"
+        )
+
+
+def as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt (text, token ids, chat messages) as a list of one; a list of prompts as it is."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], (int, np.integer, dict)):
+        return [prompts]
+    return list(prompts)
