@@ -26,13 +26,17 @@ if TYPE_CHECKING:
 
 def bench(
     model: Annotated[str, typer.Argument(help="A .gguf file, a Hugging Face model folder, or a compiled package.")],
-    output: Annotated[Path, typer.Option("--output", "-o", help="Folder for report.json, report.md, throughput.png.")] = Path("bench-out"),
+    output: Annotated[
+        Path, typer.Option("--output", "-o", help="Folder for report.json, report.md, throughput.png.")
+    ] = Path("bench-out"),
     full: Annotated[
         bool, typer.Option("--full", help="All 80 MT-bench prompts, batch sizes 1,2,4,8 (quick: 2 per category, 1,4).")
     ] = False,
     prompts: Annotated[Optional[Path], typer.Option(help="JSONL of prompts (default: MT-bench).")] = None,
     per_category: Annotated[Optional[int], typer.Option(help="First N prompts of each category; 0 = all.")] = None,
-    turns: Annotated[Optional[int], typer.Option(help="1, or 2: MT-bench follow-ups with the first answer fed back.")] = None,
+    turns: Annotated[
+        Optional[int], typer.Option(help="1, or 2: MT-bench follow-ups with the first answer fed back.")
+    ] = None,
     max_new_tokens: Annotated[Optional[int], typer.Option(help="Tokens per request (default 128).")] = None,
     batch_sizes: Annotated[Optional[str], typer.Option(help="Max batch sizes, e.g. 1,4.")] = None,
     methods: Annotated[Optional[str], typer.Option(help="Speculative methods besides none: pld,suffix,draft.")] = None,
@@ -40,16 +44,23 @@ def bench(
     draft_package: DraftPackageOption = None,
     baselines: Annotated[bool, typer.Option(help="Run the transformers baselines (batch 1).")] = True,
     peers: Annotated[
-        bool, typer.Option(help="Run ONNX Runtime GenAI and llama.cpp (batch 1) where installed: pip install 'qspec[peers]'.")
+        bool,
+        typer.Option(
+            help="Run ONNX Runtime GenAI and llama.cpp (batch 1) where installed: pip install 'qspec[peers]'."
+        ),
     ] = True,
     memory: Annotated[bool, typer.Option(help="Measure peak RSS per configuration, one process each.")] = True,
-    micro_iterations: Annotated[Optional[int], typer.Option(help="Calls per specialization in the micro-benchmark; 0 = skip.")] = None,
+    micro_iterations: Annotated[
+        Optional[int], typer.Option(help="Calls per specialization in the micro-benchmark; 0 = skip.")
+    ] = None,
     round_size: Annotated[Optional[int], typer.Option(help="Prompts per interleaving round.")] = None,
     ctx_len: CtxLenOption = DEFAULT_CTX_LEN,
     prefill_seq_len: PrefillSeqLenOption = DEFAULT_PREFILL_SEQ_LEN,
     comp_ctx_lengths_prefill: CclPrefillOption = None,
     comp_ctx_lengths_decode: CclDecodeOption = None,
-    num_threads: Annotated[Optional[int], typer.Option(help="Threads for ONNX Runtime and torch (default: all cores).")] = None,
+    num_threads: Annotated[
+        Optional[int], typer.Option(help="Threads for ONNX Runtime and torch (default: all cores).")
+    ] = None,
     packages_dir: Annotated[Optional[Path], typer.Option(help="Where compiled packages are cached.")] = None,
     dispatch: DispatchOption = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="Print the whole report as JSON on stdout.")] = False,
@@ -60,11 +71,26 @@ def bench(
         from qspec.bench import bench_options, run_bench, write_report
 
         options = bench_options(
-            full=full, prompts=prompts, per_category=per_category, turns=turns, max_new_tokens=max_new_tokens,
-            batch_sizes=batch_sizes, methods=methods, k_lists=k_lists, draft_package=draft_package,
-            baselines=baselines, peers=peers, memory=memory, micro_iterations=micro_iterations, round_size=round_size,
-            ctx_len=ctx_len, prefill_seq_len=prefill_seq_len, num_threads=num_threads, packages_dir=packages_dir,
-            comp_ctx_lengths_prefill=comp_ctx_lengths_prefill, comp_ctx_lengths_decode=comp_ctx_lengths_decode,
+            full=full,
+            prompts=prompts,
+            per_category=per_category,
+            turns=turns,
+            max_new_tokens=max_new_tokens,
+            batch_sizes=batch_sizes,
+            methods=methods,
+            k_lists=k_lists,
+            draft_package=draft_package,
+            baselines=baselines,
+            peers=peers,
+            memory=memory,
+            micro_iterations=micro_iterations,
+            round_size=round_size,
+            ctx_len=ctx_len,
+            prefill_seq_len=prefill_seq_len,
+            num_threads=num_threads,
+            packages_dir=packages_dir,
+            comp_ctx_lengths_prefill=comp_ctx_lengths_prefill,
+            comp_ctx_lengths_decode=comp_ctx_lengths_decode,
             dispatch=dispatch,
         )
         report = _run_with_progress(model, options, run_bench)

@@ -67,9 +67,10 @@ def run_guarded(work: Callable[[], None]) -> None:
     except Exception as exc:
         if debug_enabled():
             raise
-        console.print(f"[red]Error:[/] {type(exc).__name__}: {exc} (rerun with --debug for the traceback)", soft_wrap=True)
+        console.print(
+            f"[red]Error:[/] {type(exc).__name__}: {exc} (rerun with --debug for the traceback)", soft_wrap=True
+        )
         raise typer.Exit(1) from None
-
 
 
 @contextlib.contextmanager
@@ -79,12 +80,14 @@ def status(title: str) -> Iterator[Callable[[str], None]]:
 
     start = time.perf_counter()
     if not console.is_terminal:
+
         def say(message: str) -> None:
             console.print(f"[dim]{time.perf_counter() - start:6.1f}s[/] {message}")
 
         yield say
         return
     with console.status(title) as spinner:
+
         def say(message: str) -> None:
             console.print(f"[dim]{time.perf_counter() - start:6.1f}s[/] {message}")
             spinner.update(message)

@@ -105,7 +105,12 @@ def compile(
         )
         with status("compiling") as say:
             folder, manifest, reused = compile_package(
-                model, options, output=output, progress=say, warn=lambda m: console.print(f"[yellow]Warning:[/] {m}"), force=force
+                model,
+                options,
+                output=output,
+                progress=say,
+                warn=lambda m: console.print(f"[yellow]Warning:[/] {m}"),
+                force=force,
             )
         from qspec.package import manifest_summary
 
@@ -179,14 +184,18 @@ def generate(
     draft_package: DraftPackageOption = None,
     max_batch_size: Annotated[Optional[int], typer.Option(help="Sequences in flight (default: all KV slots).")] = None,
     dispatch: DispatchOption = "auto",
-    backend: Annotated[str, typer.Option(help="ort (ONNX Runtime, CPU) or qaic (the package's QPC on Cloud AI 100).")] = "ort",
+    backend: Annotated[
+        str, typer.Option(help="ort (ONNX Runtime, CPU) or qaic (the package's QPC on Cloud AI 100).")
+    ] = "ort",
     chat: Annotated[bool, typer.Option(help="Apply the tokenizer's chat template.")] = False,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
     top_k: Annotated[int, typer.Option(help="0 = off.")] = 0,
     top_p: Annotated[float, typer.Option(help="1 = off.")] = 1.0,
     seed: Annotated[Optional[int], typer.Option(help="Sampling seed.")] = None,
     stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print token ids, text and metrics per request as JSON.")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print token ids, text and metrics per request as JSON.")
+    ] = False,
 ) -> None:
     """Generate text from a compiled package with speculative decoding."""
 
@@ -202,7 +211,9 @@ def generate(
             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop or []
         )
         # Each method takes the knobs it knows (qspec.runtime.proposers.make_proposer).
-        knobs = dict(prompt_lookup_min=prompt_lookup_min, prompt_lookup_max=prompt_lookup_max, draft_package=draft_package)
+        knobs = dict(
+            prompt_lookup_min=prompt_lookup_min, prompt_lookup_max=prompt_lookup_max, draft_package=draft_package
+        )
         with status("loading the package"):
             engine = Engine(
                 package, method=method, max_batch_size=max_batch_size, dispatch=dispatch, backend=backend, **knobs

@@ -20,17 +20,23 @@ def _require_serve_extra() -> None:
         import prometheus_client  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as exc:
-        raise ConfigError(f"qspec serve needs the serve extra ({exc.name} is missing): pip install 'qspec[serve]'") from None
+        raise ConfigError(
+            f"qspec serve needs the serve extra ({exc.name} is missing): pip install 'qspec[serve]'"
+        ) from None
 
 
-def method_options(method: str, *, prompt_lookup_min: int, prompt_lookup_max: int, draft_package: Optional[Path]) -> dict[str, Any]:
+def method_options(
+    method: str, *, prompt_lookup_min: int, prompt_lookup_max: int, draft_package: Optional[Path]
+) -> dict[str, Any]:
     from qspec.errors import ConfigError
 
     if method == "pld":
         return {"prompt_lookup_min": prompt_lookup_min, "prompt_lookup_max": prompt_lookup_max}
     if method == "draft":
         if draft_package is None:
-            raise ConfigError("--method draft needs --draft-package DIR (compile one with `qspec compile --num-layers N`)")
+            raise ConfigError(
+                "--method draft needs --draft-package DIR (compile one with `qspec compile --num-layers N`)"
+            )
         return {"draft_package": draft_package}
     return {}
 
@@ -44,12 +50,20 @@ def serve(
     prompt_lookup_max: Annotated[int, typer.Option(help="pld: largest n-gram to match.")] = 3,
     draft_package: DraftPackageOption = None,
     dispatch: DispatchOption = "auto",
-    max_batch_size: Annotated[Optional[int], typer.Option(help="Requests in the running batch (default: all KV slots).")] = None,
+    max_batch_size: Annotated[
+        Optional[int], typer.Option(help="Requests in the running batch (default: all KV slots).")
+    ] = None,
     max_waiting: Annotated[int, typer.Option(help="Requests that may wait for a slot; past it: 429.")] = 64,
     num_threads: Annotated[Optional[int], typer.Option(help="ONNX Runtime threads (default: all cores).")] = None,
-    spinning: Annotated[bool, typer.Option(help="ONNX Runtime threads spin between calls (off: kinder to a shared machine).")] = True,
-    served_model_name: Annotated[Optional[str], typer.Option(help="The `model` clients send (default: the package folder's name).")] = None,
-    shutdown_timeout: Annotated[float, typer.Option(help="Seconds in-flight requests get to finish on SIGINT/SIGTERM.")] = 10.0,
+    spinning: Annotated[
+        bool, typer.Option(help="ONNX Runtime threads spin between calls (off: kinder to a shared machine).")
+    ] = True,
+    served_model_name: Annotated[
+        Optional[str], typer.Option(help="The `model` clients send (default: the package folder's name).")
+    ] = None,
+    shutdown_timeout: Annotated[
+        float, typer.Option(help="Seconds in-flight requests get to finish on SIGINT/SIGTERM.")
+    ] = 10.0,
     log_level: Annotated[str, typer.Option(help="uvicorn log level (debug logs every request).")] = "info",
 ) -> None:
     """Serve PACKAGE with an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /metrics)."""
@@ -64,7 +78,12 @@ def serve(
             host=host,
             port=port,
             method=method,
-            method_options=method_options(method, prompt_lookup_min=prompt_lookup_min, prompt_lookup_max=prompt_lookup_max, draft_package=draft_package),
+            method_options=method_options(
+                method,
+                prompt_lookup_min=prompt_lookup_min,
+                prompt_lookup_max=prompt_lookup_max,
+                draft_package=draft_package,
+            ),
             dispatch=dispatch,
             max_batch_size=max_batch_size,
             served_model_name=served_model_name,
@@ -85,7 +104,9 @@ def serve(
 
 
 def serve_load(
-    package: Annotated[Path, typer.Argument(help="A package with several KV slots (`qspec compile ... --full-batch-size 4`).")],
+    package: Annotated[
+        Path, typer.Argument(help="A package with several KV slots (`qspec compile ... --full-batch-size 4`).")
+    ],
     methods: Annotated[str, typer.Option(help="Methods to serve, one server each, e.g. pld,none.")] = "pld,none",
     requests: Annotated[int, typer.Option(help="Requests per method (MT-bench first turns).")] = 64,
     concurrency: Annotated[int, typer.Option(help="Clients in flight at most.")] = 32,
@@ -93,7 +114,9 @@ def serve_load(
     max_tokens: Annotated[int, typer.Option(help="max_tokens of every request.")] = 128,
     time_limit: Annotated[float, typer.Option(help="Seconds one method's run may take at most.")] = 600.0,
     verify: Annotated[bool, typer.Option(help="Compare every response with the engine's greedy output.")] = True,
-    spinning: Annotated[bool, typer.Option(help="ONNX Runtime threads spin between calls (off: kinder to a shared machine).")] = True,
+    spinning: Annotated[
+        bool, typer.Option(help="ONNX Runtime threads spin between calls (off: kinder to a shared machine).")
+    ] = True,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the reports as JSON.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the reports as JSON.")] = False,
 ) -> None:
@@ -108,17 +131,26 @@ def serve_load(
         from qspec_cli.common import status
 
         options = LoadOptions.create(
-            requests=requests, concurrency=concurrency, rate=rate, max_tokens=max_tokens, time_limit_s=time_limit, spinning=spinning
+            requests=requests,
+            concurrency=concurrency,
+            rate=rate,
+            max_tokens=max_tokens,
+            time_limit_s=time_limit,
+            spinning=spinning,
         )
         with status("load run") as say:
-            reports = run_load(package, [m.strip() for m in methods.split(",") if m.strip()], options, verify=verify, progress=say)
+            reports = run_load(
+                package, [m.strip() for m in methods.split(",") if m.strip()], options, verify=verify, progress=say
+            )
         dumped = [r.model_dump() for r in reports]
         if output is not None:
             output.write_text(json.dumps(dumped, indent=2))
         if as_json:
             print(json.dumps(dumped, indent=2))
         else:
-            print(f"{'method':8} {'ok':>5} {'req/s':>7} {'out tok/s':>9} {'TTFT p50/p99 ms':>17} {'ITL p50/p99 ms':>15} {'TPOT p50':>8} {'accept':>7} {'mean len':>8}")
+            print(
+                f"{'method':8} {'ok':>5} {'req/s':>7} {'out tok/s':>9} {'TTFT p50/p99 ms':>17} {'ITL p50/p99 ms':>15} {'TPOT p50':>8} {'accept':>7} {'mean len':>8}"
+            )
             for r in reports:
                 rate_text = f"{r.acceptance_rate:.0%}" if r.acceptance_rate is not None else "-"
                 length = f"{r.mean_acceptance_length:.2f}" if r.mean_acceptance_length is not None else "-"
@@ -128,7 +160,9 @@ def serve_load(
                 )
         bad = [(r.method, r.failed, len(r.mismatched)) for r in reports if r.failed or r.mismatched]
         if bad:
-            raise QSpecError("; ".join(f"{m}: {f} requests lost, {g} differ from the engine's greedy output" for m, f, g in bad))
+            raise QSpecError(
+                "; ".join(f"{m}: {f} requests lost, {g} differ from the engine's greedy output" for m, f, g in bad)
+            )
         if verify:
             console.print("every response equals the engine's greedy output for its prompt")
 

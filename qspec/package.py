@@ -138,8 +138,7 @@ def read_manifest(package: str | os.PathLike[str]) -> Manifest:
         raise PackageError(f"{path} is corrupt ({first}); {hint}") from None
     if manifest.manifest_version != MANIFEST_VERSION:
         raise PackageError(
-            f"{path} has manifest version {manifest.manifest_version}, this qspec reads "
-            f"{MANIFEST_VERSION}; {hint}"
+            f"{path} has manifest version {manifest.manifest_version}, this qspec reads {MANIFEST_VERSION}; {hint}"
         )
     return manifest
 
@@ -185,9 +184,7 @@ def write_package_atomic(target: Path, build: Callable[[Path], None]) -> None:
     target = Path(target).absolute()
     if target.exists() and not (target / MANIFEST).is_file():
         if not target.is_dir() or any(target.iterdir()):
-            raise PackageError(
-                f"{target} exists and is not a qspec package; choose another --output or remove it"
-            )
+            raise PackageError(f"{target} exists and is not a qspec package; choose another --output or remove it")
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     old = None

@@ -36,7 +36,9 @@ def specialization_names(specs: Sequence[Specialization]) -> list[str]:
     names, prefill = [], True
     for spec in specs:
         prefill = prefill and (spec.batch_size, spec.seq_len, spec.num_logits_to_keep) == (
-            first.batch_size, first.seq_len, first.num_logits_to_keep
+            first.batch_size,
+            first.seq_len,
+            first.num_logits_to_keep,
         )
         name = PREFILL_NAME if prefill else f"Decode_{spec.seq_len}"
         names.append(f"{name}_{spec.comp_ctx_lengths}" if spec.comp_ctx_lengths else name)
@@ -48,9 +50,7 @@ def specializations_to_json(specs: Sequence[Specialization], *, fmt: SpecFormat 
     if fmt == "flat":
         entries: list[dict[str, Any]] = [spec.to_wire() for spec in specs]
     elif fmt == "named":
-        entries = [
-            {"name": name, "symbols": spec.to_wire()} for name, spec in zip(specialization_names(specs), specs)
-        ]
+        entries = [{"name": name, "symbols": spec.to_wire()} for name, spec in zip(specialization_names(specs), specs)]
     else:
         raise ConfigError(f"specialization format {fmt!r} is unknown; use 'flat' or 'named'")
     return json.dumps({"specializations": entries}, indent=2) + "\n"

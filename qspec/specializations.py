@@ -131,9 +131,7 @@ class Specialization(FrozenModel):
                 "a call cannot return logits for more positions than it has"
             )
         if self.full_batch_size is not None and self.full_batch_size < self.batch_size:
-            raise ValueError(
-                f"full_batch_size {self.full_batch_size} < batch_size {self.batch_size}"
-            )
+            raise ValueError(f"full_batch_size {self.full_batch_size} < batch_size {self.batch_size}")
         return self
 
     @property
@@ -221,7 +219,9 @@ class SpecializationConfig(FrozenModel):
                 "graph (with the num_logits_to_keep input); a non-speculative graph only runs "
                 "K=0: pass num_speculative_tokens=0 or export a speculative graph"
             )
-        self._check_ccls("comp_ctx_lengths_prefill", self.comp_ctx_lengths_prefill, self.prefill_seq_len, "prefill_seq_len")
+        self._check_ccls(
+            "comp_ctx_lengths_prefill", self.comp_ctx_lengths_prefill, self.prefill_seq_len, "prefill_seq_len"
+        )
         self._check_ccls("comp_ctx_lengths_decode", self.comp_ctx_lengths_decode, k_max + 1, f"K={k_max} (seq_len)")
         return self
 
@@ -313,9 +313,7 @@ def build_specializations(config: SpecializationConfig) -> list[Specialization]:
     """
     candidates = [prefill_specialization(config, ccl) for ccl in config.buckets("prefill")]
     candidates += [
-        decode_specialization(config, k, ccl)
-        for ccl in config.buckets("decode")
-        for k in config.num_speculative_tokens
+        decode_specialization(config, k, ccl) for ccl in config.buckets("decode") for k in config.num_speculative_tokens
     ]
     specs: list[Specialization] = []
     for spec in candidates:
@@ -349,6 +347,5 @@ def check_model_speculative_config(hf_config: dict[str, Any], ks: tuple[int, ...
     if model_k is None or model_k == max(ks):
         return []
     return [
-        f"model config says num_speculative_tokens={model_k}; using the requested "
-        f"{list(ks)} and ignoring {model_k}"
+        f"model config says num_speculative_tokens={model_k}; using the requested {list(ks)} and ignoring {model_k}"
     ]

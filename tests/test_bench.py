@@ -50,11 +50,38 @@ def bench_run(tiny_model, prompts_file, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("bench-out")
     args = [
-        "bench", str(tiny_model("llama")), "--output", str(out), "--prompts", str(prompts_file),
-        "--per-category", "0", "--turns", "2", "--max-new-tokens", "12", "--batch-sizes", "1,2",
-        "--methods", "pld", "--k-lists", "4;0,4", "--micro-iterations", "2", "--round-size", "2",
-        "--ctx-len", "128", "--prefill-seq-len", "8", "--packages-dir", str(out / "packages"),
-        "--comp-ctx-lengths-prefill", "32", "--comp-ctx-lengths-decode", "32,64",
+        "bench",
+        str(tiny_model("llama")),
+        "--output",
+        str(out),
+        "--prompts",
+        str(prompts_file),
+        "--per-category",
+        "0",
+        "--turns",
+        "2",
+        "--max-new-tokens",
+        "12",
+        "--batch-sizes",
+        "1,2",
+        "--methods",
+        "pld",
+        "--k-lists",
+        "4;0,4",
+        "--micro-iterations",
+        "2",
+        "--round-size",
+        "2",
+        "--ctx-len",
+        "128",
+        "--prefill-seq-len",
+        "8",
+        "--packages-dir",
+        str(out / "packages"),
+        "--comp-ctx-lengths-prefill",
+        "32",
+        "--comp-ctx-lengths-decode",
+        "32,64",
     ]
     with pytest.MonkeyPatch.context() as patch:  # the peers as where they are not installed (CI), whatever is here
         for peer in PEER_MODULES:
@@ -76,7 +103,13 @@ def test_report_files_and_configs(bench_run):
     assert none.overall.requests == 8  # 4 prompts x 2 turns
     assert set(none.per_category) == {"chat", "code"}
     markdown = (out / "report.md").read_text()
-    for heading in ("## Targets", "## Per configuration", "## Per category, batch 1", "## One call per specialization", "## Memory"):
+    for heading in (
+        "## Targets",
+        "## Per configuration",
+        "## Per category, batch 1",
+        "## One call per specialization",
+        "## Memory",
+    ):
         assert heading in markdown
 
 
@@ -106,7 +139,14 @@ def test_report_has_targets_micro_and_memory(bench_run):
     assert any("peak RSS" in t.target and t.status != "n/a" for t in report.targets)
     calls = report.micro.packages[0].calls
     assert [c.specialization for c in calls] == [  # every K in every bucket (128 = ctx_len is always one)
-        "prefill@32", "prefill@128", "K=0@32", "K=4@32", "K=0@64", "K=4@64", "K=0@128", "K=4@128"
+        "prefill@32",
+        "prefill@128",
+        "K=0@32",
+        "K=4@32",
+        "K=0@64",
+        "K=4@64",
+        "K=0@128",
+        "K=4@128",
     ]
     assert any(t.target.startswith("K=4 call, bucket 256") for t in report.targets) is False  # no 256 bucket here
     probe = report.memory.probes["pld[0,4]@1"]
@@ -120,8 +160,18 @@ def _summary(method: str, batch: int, requests_per_s: float, per_category: dict[
     overall = Overall.from_metrics(aggregate([], 1.0, {})).model_copy(update={"requests_per_s": requests_per_s})
     rows = category_rates([CategoryInput(c, 1, 1.0) for c in per_category])
     rows = {c: row.model_copy(update={"requests_per_s": per_category[c]}) for c, row in rows.items()}
-    return ConfigSummary(key=f"{method}@{batch}", name=method, method=method, ks=[0], batch=batch, backend="qspec",
-                         overall=overall, per_category=rows, round_walls_s=[], round_other_cpu=[])
+    return ConfigSummary(
+        key=f"{method}@{batch}",
+        name=method,
+        method=method,
+        ks=[0],
+        batch=batch,
+        backend="qspec",
+        overall=overall,
+        per_category=rows,
+        round_walls_s=[],
+        round_other_cpu=[],
+    )
 
 
 def test_ratio_math():
@@ -131,11 +181,13 @@ def test_ratio_math():
     table = category_rates([CategoryInput("a", 10, 2.0), CategoryInput("a", 30, 4.0)])
     assert table["a"].requests_per_s == round(2 / 6, 4)  # 2 requests over 6 s of latency
     assert table["a"].output_tokens_per_s == round(40 / 6, 2)
-    summaries = with_ratios([
-        _summary("none", 1, 2.0, {"a": 1.0}),
-        _summary("pld", 1, 3.0, {"a": 1.5}),
-        _summary("pld", 4, 9.0, {}),  # no none at batch 4
-    ])
+    summaries = with_ratios(
+        [
+            _summary("none", 1, 2.0, {"a": 1.0}),
+            _summary("pld", 1, 3.0, {"a": 1.5}),
+            _summary("pld", 4, 9.0, {}),  # no none at batch 4
+        ]
+    )
     assert summaries[1].overall.ratio_to_none == 1.5
     assert summaries[1].per_category["a"].ratio_to_none == 1.5
     assert summaries[2].overall.ratio_to_none is None
@@ -167,7 +219,14 @@ def test_plan_and_prompts(prompts_file):
     """Quick preset: none plus method x K list per batch size, then the two baselines; prompts per category."""
     configs = plan_configs(quick_options(methods="pld", k_lists="4;0,4"))
     assert [c.key for c in configs] == [
-        "none@1", "pld[4]@1", "pld[0,4]@1", "none@4", "pld[4]@4", "pld[0,4]@4", "transformers@1", "transformers-pld[4]@1",
+        "none@1",
+        "pld[4]@1",
+        "pld[0,4]@1",
+        "none@4",
+        "pld[4]@4",
+        "pld[0,4]@4",
+        "transformers@1",
+        "transformers-pld[4]@1",
     ]
     assert [p.id for p in load_prompts(prompts_file, per_category=1)] == ["1", "3"]
 
@@ -192,7 +251,9 @@ def test_cli_bad_flag_is_a_clean_error(tmp_path):
     """A bad flag value gives `Error: ...` and exit code 1, no traceback."""
     from qspec_cli.main import app
 
-    result = CliRunner().invoke(app, ["bench", str(tmp_path), "--batch-sizes", "1,x", "--output", str(tmp_path / "out")])
+    result = CliRunner().invoke(
+        app, ["bench", str(tmp_path), "--batch-sizes", "1,x", "--output", str(tmp_path / "out")]
+    )
     assert result.exit_code == 1
     assert "Error:" in result.output and "batch_sizes" in result.output
     assert "Traceback" not in result.output

@@ -69,7 +69,9 @@ def test_unknown_flag_is_rejected():
 
 def test_generate_on_a_missing_package(tmp_path):
     """A missing package directory names the path and the fix."""
-    assert_one_line_error(qspec("generate", str(tmp_path / "nope"), "--prompt", "hi"), "does not exist", "qspec compile")
+    assert_one_line_error(
+        qspec("generate", str(tmp_path / "nope"), "--prompt", "hi"), "does not exist", "qspec compile"
+    )
 
 
 def test_compile_unsupported_model_leaves_nothing(tmp_path):
@@ -98,7 +100,9 @@ def test_compile_refuses_to_overwrite_a_foreign_folder(tiny_model, tmp_path):
 def test_compile_and_generate_end_to_end(tiny_model, tmp_path):
     """compile then generate --json on a tiny model; a too-long prompt is a clean error."""
     out = tmp_path / "pkg"
-    result = qspec("compile", str(tiny_model("llama")), "-k", "0,4", "--ctx-len", "64", "--prefill-seq-len", "8", "-o", str(out))
+    result = qspec(
+        "compile", str(tiny_model("llama")), "-k", "0,4", "--ctx-len", "64", "--prefill-seq-len", "8", "-o", str(out)
+    )
     assert result.returncode == 0, result.stderr
     assert (out / "manifest.json").is_file()
     gen = qspec("generate", str(out), "--prompt", "abcabcabc", "--max-new-tokens", "6", "--json")
@@ -122,8 +126,24 @@ def test_compile_qaic_backend_with_stand_in_compiler(tiny_model, tmp_path):
     env = dict(os.environ, PATH=f"{fake}{os.pathsep}{os.environ['PATH']}")
     env.pop("QAIC_COMPILE", None)
     out = tmp_path / "qaic-pkg"
-    cmd = [sys.executable, "-m", "qspec", "compile", str(tiny_model("llama")), "-k", "0,4", "--ctx-len", "64",
-           "--backend", "qaic", "--num-cores", "14", "--mxfp6-matmul", "-o", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "qspec",
+        "compile",
+        str(tiny_model("llama")),
+        "-k",
+        "0,4",
+        "--ctx-len",
+        "64",
+        "--backend",
+        "qaic",
+        "--num-cores",
+        "14",
+        "--mxfp6-matmul",
+        "-o",
+        str(out),
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stderr
     manifest = json.loads((out / "manifest.json").read_text())

@@ -49,7 +49,10 @@ def test_plan_skips_llama_cpp_without_a_gguf(monkeypatch, tiny_model):
         (LLAMA_CPP, "llama.cpp runs a .gguf file; the bench was not given one")
     ]
     assert [c.key for c in plan.configs] == [
-        "ort-genai-fp32@1", "ort-genai-fp32-ngram[4]@1", "ort-genai-int4@1", "ort-genai-int4-ngram[4]@1"
+        "ort-genai-fp32@1",
+        "ort-genai-fp32-ngram[4]@1",
+        "ort-genai-int4@1",
+        "ort-genai-int4-ngram[4]@1",
     ]
     assert {c.backend for c in plan.configs} == {"ort-genai-fp32", "ort-genai-int4"}
 
@@ -73,8 +76,15 @@ def test_llama_cpp_configs_name_the_weight_format():
 
 def test_peer_request_metrics():
     """A worker's answer becomes RequestMetrics: 9 tokens in 1 s, first after 0.2 s, 4 decode calls."""
-    answer = {"tokens": list(range(9)), "start": 10.0, "first": 10.2, "finish": 11.0, "calls": 4, "proposed": 6,
-              "accepted": 4}
+    answer = {
+        "tokens": list(range(9)),
+        "start": 10.0,
+        "first": 10.2,
+        "finish": 11.0,
+        "calls": 4,
+        "proposed": 6,
+        "accepted": 4,
+    }
     result = peer_request(answer)
     metrics = result.metrics
     assert result.tokens == list(range(9)) and result.text == ""
@@ -110,10 +120,23 @@ def test_ort_genai_runs_beside_qspec_on_a_tiny_model(tiny_model, tmp_path, monke
     prompts = tmp_path / "prompts.jsonl"
     lines = [{"question_id": i, "category": "c", "turns": [f"abc abc abc {i} abc abc"]} for i in range(2)]
     prompts.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
-    options = quick_options(prompts=prompts, per_category=None, max_new_tokens=12, batch_sizes=(1,), methods="pld",
-                            k_lists="0,4", baselines=False, memory=False, micro_iterations=0, ctx_len=128,
-                            prefill_seq_len=8, comp_ctx_lengths_prefill="32", comp_ctx_lengths_decode="32,64",
-                            packages_dir=tmp_path / "packages", num_threads=1)
+    options = quick_options(
+        prompts=prompts,
+        per_category=None,
+        max_new_tokens=12,
+        batch_sizes=(1,),
+        methods="pld",
+        k_lists="0,4",
+        baselines=False,
+        memory=False,
+        micro_iterations=0,
+        ctx_len=128,
+        prefill_seq_len=8,
+        comp_ctx_lengths_prefill="32",
+        comp_ctx_lengths_decode="32,64",
+        packages_dir=tmp_path / "packages",
+        num_threads=1,
+    )
     report = run_bench(str(tiny_model("llama")), options)
     report = BenchReport.model_validate_json(report.model_dump_json())  # what report.json holds reads back
     keys = {s.key for s in report.configs}

@@ -14,7 +14,9 @@ def test_every_line_form_gives_its_first_turn(tmp_path):
     """MT-bench turns, "prompt", "text" and a bare string, in file order; blank lines skipped."""
     path = tmp_path / "p.jsonl"
     lines = [{"turns": ["a", "a2"], "category": "c"}, {"prompt": "b"}, {"text": "c"}, "d"]
-    path.write_text("\n".join(json.dumps(line) for line in lines[:2]) + "\n\n" + "\n".join(json.dumps(x) for x in lines[2:]))
+    path.write_text(
+        "\n".join(json.dumps(line) for line in lines[:2]) + "\n\n" + "\n".join(json.dumps(x) for x in lines[2:])
+    )
     assert read_prompt_texts(path) == ["a", "b", "c", "d"]
     assert load_prompts(path)[0].turns == ("a", "a2")
 

@@ -38,10 +38,7 @@ def write_tiny_onnx(path: Path, num_layers: int) -> None:
     inputs = [helper.make_tensor_value_info(n, TensorProto.INT64, None) for n in names[:3]]
     kv = contract.kv_names(num_layers)
     inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in kv]
-    outputs = [
-        helper.make_tensor_value_info(n, TensorProto.FLOAT, None)
-        for n in contract.output_names(num_layers)
-    ]
+    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in contract.output_names(num_layers)]
     cast = helper.make_node("Cast", [contract.INPUT_IDS], [contract.LOGITS], to=TensorProto.FLOAT)
     nodes = [cast]
     nodes += [helper.make_node("Identity", [n], [contract.retained(n)]) for n in kv]
@@ -219,8 +216,12 @@ def test_argv_all_optional_flags():
 def test_argv_without_fp16_conversion():
     """convert_to_fp16=False drops the flag."""
     argv = qaic_compile_argv(
-        compiler="c", onnx_path="m", specializations_path="s", custom_io_path="i",
-        qpc_dir="q", options=QaicOptions(convert_to_fp16=False),
+        compiler="c",
+        onnx_path="m",
+        specializations_path="s",
+        custom_io_path="i",
+        qpc_dir="q",
+        options=QaicOptions(convert_to_fp16=False),
     )
     assert "-convert-to-fp16" not in argv
 
@@ -229,8 +230,12 @@ def test_argv_multi_device_needs_mdp_path():
     """num_devices > 1 without a partition config is refused."""
     with pytest.raises(ConfigError, match="num_devices 2 needs an MDP partition config"):
         qaic_compile_argv(
-            compiler="c", onnx_path="m", specializations_path="s", custom_io_path="i",
-            qpc_dir="q", options=QaicOptions(num_devices=2),
+            compiler="c",
+            onnx_path="m",
+            specializations_path="s",
+            custom_io_path="i",
+            qpc_dir="q",
+            options=QaicOptions(num_devices=2),
         )
 
 
@@ -349,9 +354,7 @@ def test_script_runs_the_same_command(package, fake_compiler, monkeypatch):
 
 def test_integer_valued_specializations_fail_with_exit_255(package, fake_compiler):
     """Integer values make the compiler exit 255: CompileError with the code and its stderr."""
-    (package / "ints.json").write_text(
-        '{"specializations": [{"batch_size": 1, "seq_len": 32, "ctx_len": 128}]}\n'
-    )
+    (package / "ints.json").write_text('{"specializations": [{"batch_size": 1, "seq_len": 32, "ctx_len": 128}]}\n')
     with pytest.raises(CompileError) as info:
         prepare(package, specializations_path="ints.json")
     message = str(info.value)
@@ -371,8 +374,11 @@ def test_custom_io_missing_a_layer_fails(package, fake_compiler):
 def test_fake_compiler_requires_retained_state(package, fake_compiler):
     """The stand-in refuses a command without -retained-state, as the real compiler would."""
     argv = [
-        fake_compiler, "-m=model.onnx", "-network-specialization-config=specializations.json",
-        "-custom-IO-list-file=custom_io.yaml", "-aic-binary-dir=qpc",
+        fake_compiler,
+        "-m=model.onnx",
+        "-network-specialization-config=specializations.json",
+        "-custom-IO-list-file=custom_io.yaml",
+        "-aic-binary-dir=qpc",
     ]
     (package / "custom_io.yaml").write_text(custom_io_yaml(NUM_LAYERS))
     result = subprocess.run(argv, cwd=package, capture_output=True, text=True)

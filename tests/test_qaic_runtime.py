@@ -74,8 +74,13 @@ def test_kv_is_skipped_and_never_read_back(packages, qaic_runtime):
     bound.reset()
     bound.input_ids[0, 0], bound.position_ids[0, 0] = 5, 0
     model.run(bound)
-    outputs = model.session.run({"input_ids": bound.input_ids, "position_ids": bound.position_ids,
-                                 "num_logits_to_keep": np.zeros((5, 1), dtype=np.int64)})
+    outputs = model.session.run(
+        {
+            "input_ids": bound.input_ids,
+            "position_ids": bound.position_ids,
+            "num_logits_to_keep": np.zeros((5, 1), dtype=np.int64),
+        }
+    )
     assert set(model.kv_names) <= model.session._skipped
     with pytest.raises(KeyError, match="stays on the device"):
         outputs["past_key.0_RetainedState"]
@@ -85,8 +90,14 @@ def test_shapes_must_match_a_compiled_specialization(packages, qaic_runtime):
     """A call whose buffers match no specialization (seq_len 3 was not compiled) fails, listing the allowed shapes."""
     model = load_model(packages["b1"], backend="qaic")
     with pytest.raises(ValueError, match="no compiled specialization matches"):
-        model.session.run({"input_ids": np.zeros((1, 3), dtype=np.int64), "position_ids": np.zeros((1, 3), dtype=np.int64),
-                           "num_logits_to_keep": np.zeros((3, 1), dtype=np.int64), "logits": np.zeros((1, 3, 320), np.float32)})
+        model.session.run(
+            {
+                "input_ids": np.zeros((1, 3), dtype=np.int64),
+                "position_ids": np.zeros((1, 3), dtype=np.int64),
+                "num_logits_to_keep": np.zeros((3, 1), dtype=np.int64),
+                "logits": np.zeros((1, 3, 320), np.float32),
+            }
+        )
 
 
 def test_missing_runtime_is_one_line(packages, monkeypatch):
@@ -101,6 +112,8 @@ def test_missing_runtime_is_one_line(packages, monkeypatch):
 def test_ort_package_has_no_qpc(tiny_model, tmp_path, qaic_runtime):
     """A package compiled for ort cannot run on qaic: the error says how to compile one."""
     spec = make_config(num_speculative_tokens="0", ctx_len=64, prefill_seq_len=8)
-    folder, _, _ = compile_package(tiny_model("llama"), CompileOptions.create(specialization=spec), output=tmp_path / "p")
+    folder, _, _ = compile_package(
+        tiny_model("llama"), CompileOptions.create(specialization=spec), output=tmp_path / "p"
+    )
     with pytest.raises(QaicRuntimeError, match="compiled for ort.*--backend qaic"):
         load_model(folder, backend="qaic")

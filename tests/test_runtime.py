@@ -277,7 +277,8 @@ def test_streamed_text_ends_where_the_stop_string_starts(packages):
     stop = full.text[3:5]
     pieces = []
     [cut] = engine.generate(
-        ["abcabcabc"], SamplingParams(max_new_tokens=12, ignore_eos=True, stop=[stop]),
+        ["abcabcabc"],
+        SamplingParams(max_new_tokens=12, ignore_eos=True, stop=[stop]),
         on_text=lambda i, text: pieces.append(text),
     )
     assert cut.text == full.text[: full.text.index(stop)]
@@ -291,8 +292,12 @@ def test_compute_context_buckets_keep_greedy_output(model, tmp_path, reference, 
     Rows cross 16 and 32 mid-draft; outputs still equal `none` and transformers greedy.
     """
     config = make_config(
-        num_speculative_tokens="0,4", prefill_seq_len=8, ctx_len=CTX, full_batch_size=fbs,
-        comp_ctx_lengths_prefill="16", comp_ctx_lengths_decode="16,32",
+        num_speculative_tokens="0,4",
+        prefill_seq_len=8,
+        ctx_len=CTX,
+        full_batch_size=fbs,
+        comp_ctx_lengths_prefill="16",
+        comp_ctx_lengths_decode="16,32",
     )
     package, _, _ = compile_package(model, CompileOptions(specialization=config), output=tmp_path / "ccl")
     budgets = [30, 25, 20, 10, 28]

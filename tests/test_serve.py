@@ -49,7 +49,9 @@ class Server:
     """A running server: its URL, its engine worker, an openai client."""
 
     def __init__(self, package, **options):
-        opts = ServeOptions(**{"package": package, "served_model_name": MODEL, "port": 0, "log_level": "warning", **options})
+        opts = ServeOptions(
+            **{"package": package, "served_model_name": MODEL, "port": 0, "log_level": "warning", **options}
+        )
         app, self.worker = build(opts)
         self.uvicorn = make_server(app, opts)
         sock = socket.socket()
@@ -129,7 +131,11 @@ def test_completions_stream_equal_generate(server, engine):
         ref = reference(engine, prompt, max_new_tokens=30, ignore_eos=True)
         chunks = list(
             server.client.completions.create(
-                model=MODEL, prompt=prompt, max_tokens=30, stream=True, stream_options={"include_usage": True},
+                model=MODEL,
+                prompt=prompt,
+                max_tokens=30,
+                stream=True,
+                stream_options={"include_usage": True},
                 extra_body={"ignore_eos": True},
             )
         )
@@ -163,7 +169,9 @@ def test_concurrent_arrivals_equal_one_at_a_time(server, engine):
 
     def call(i: int) -> str:
         time.sleep(0.03 * i)
-        got = server.client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=40, extra_body={"ignore_eos": True})
+        got = server.client.completions.create(
+            model=MODEL, prompt=prompts[i], max_tokens=40, extra_body={"ignore_eos": True}
+        )
         return got.choices[0].text
 
     before = server.metrics()
@@ -174,15 +182,26 @@ def test_concurrent_arrivals_equal_one_at_a_time(server, engine):
         restore()
     assert outputs == refs
     after = server.metrics()
-    assert after['qspec:request_success_total{finished_reason="length"}'] - before['qspec:request_success_total{finished_reason="length"}'] == 10
+    assert (
+        after['qspec:request_success_total{finished_reason="length"}']
+        - before['qspec:request_success_total{finished_reason="length"}']
+        == 10
+    )
     assert after["qspec:prefill_calls_total"] - before["qspec:prefill_calls_total"] >= 3  # arrivals joined over time
 
 
 def test_seeded_sampling_is_reproducible(server):
     """temperature/top_p/top_k/seed reach the sampler: the same seed gives the same text, another seed may not."""
+
     def sample(seed):
         got = server.client.completions.create(
-            model=MODEL, prompt="abc", max_tokens=20, temperature=1.0, top_p=0.9, seed=seed, extra_body={"top_k": 50, "ignore_eos": True}
+            model=MODEL,
+            prompt="abc",
+            max_tokens=20,
+            temperature=1.0,
+            top_p=0.9,
+            seed=seed,
+            extra_body={"top_k": 50, "ignore_eos": True},
         )
         return got.choices[0].text
 
@@ -196,7 +215,10 @@ def test_disconnect_mid_stream_frees_the_slot(server):
     before = server.metrics()
     try:
         body = {"model": MODEL, "prompt": "abc", "max_tokens": 100, "stream": True, "ignore_eos": True}
-        with httpx.Client(timeout=10) as client, client.stream("POST", f"{server.url}/v1/completions", json=body) as response:
+        with (
+            httpx.Client(timeout=10) as client,
+            client.stream("POST", f"{server.url}/v1/completions", json=body) as response,
+        ):
             assert response.status_code == 200
             for line in response.iter_lines():
                 if line.startswith("data: "):
@@ -208,7 +230,10 @@ def test_disconnect_mid_stream_frees_the_slot(server):
     finally:
         restore()
     after = server.metrics()
-    assert after['qspec:request_success_total{finished_reason="abort"}'] == before['qspec:request_success_total{finished_reason="abort"}'] + 1
+    assert (
+        after['qspec:request_success_total{finished_reason="abort"}']
+        == before['qspec:request_success_total{finished_reason="abort"}'] + 1
+    )
     assert after["qspec:generation_tokens_total"] - before["qspec:generation_tokens_total"] < 100
 
 
@@ -224,7 +249,11 @@ def test_disconnect_mid_stream_frees_the_slot(server):
         ({"model": MODEL, "prompt": ["a", "b"]}, 400, ["one prompt"]),
         ({"model": MODEL, "prompt": "abc", "temperature": -1}, 400, ["temperature"]),
         ({"model": MODEL}, 400, ["prompt"]),
-        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, ["tools"]),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
+            400,
+            ["tools"],
+        ),
         ("{not json", 400, ["JSON"]),
     ],
 )
@@ -252,7 +281,9 @@ def test_openai_client_raises_on_errors(server):
 def test_metrics_parse_and_count(server):
     """/metrics parses with prometheus_client; tokens, finish reasons, drafts and calls per K move."""
     before = server.metrics()
-    server.client.completions.create(model=MODEL, prompt="abcdabcdabcdabcd", max_tokens=24, extra_body={"ignore_eos": True})
+    server.client.completions.create(
+        model=MODEL, prompt="abcdabcdabcdabcd", max_tokens=24, extra_body={"ignore_eos": True}
+    )
     after = server.metrics()
     moved = {name: after[name] - before.get(name, 0) for name in after}
     assert moved["qspec:generation_tokens_total"] == 24
@@ -273,8 +304,11 @@ def test_full_queue_gets_429(package):
     small = Server(package, max_batch_size=1, max_waiting=1)
     restore = small.slow_engine(0.02)
     try:
+
         def long_request():
-            return small.client.completions.create(model=MODEL, prompt="abc", max_tokens=40, extra_body={"ignore_eos": True})
+            return small.client.completions.create(
+                model=MODEL, prompt="abc", max_tokens=40, extra_body={"ignore_eos": True}
+            )
 
         with ThreadPoolExecutor(2) as pool:
             running = [pool.submit(long_request) for _ in range(2)]
@@ -295,8 +329,22 @@ def test_cli_serve_and_sigterm(package, tmp_path):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "qspec", "serve", str(package), "--port", str(port), "--served-model-name", MODEL, "--method", "suffix"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "qspec",
+        "serve",
+        str(package),
+        "--port",
+        str(port),
+        "--served-model-name",
+        MODEL,
+        "--method",
+        "suffix",
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"}
+    )
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
@@ -310,7 +358,9 @@ def test_cli_serve_and_sigterm(package, tmp_path):
             assert time.monotonic() < deadline, "qspec serve did not come up"
             time.sleep(0.1)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-        stream = client.completions.create(model=MODEL, prompt="abc", max_tokens=60, stream=True, extra_body={"ignore_eos": True})
+        stream = client.completions.create(
+            model=MODEL, prompt="abc", max_tokens=60, stream=True, extra_body={"ignore_eos": True}
+        )
         first = next(iter(stream))
         proc.send_signal(signal.SIGTERM)
         rest = list(stream)
@@ -350,18 +400,27 @@ def test_smollm2_concurrent_chat_equals_generate(tmp_path, monkeypatch):
 
     from tests.test_smollm2 import mt_bench_prompts, smollm2_path
 
-    monkeypatch.setenv("QSPEC_CACHE_DIR", os.environ.get("QSPEC_REAL_CACHE_DIR") or str(Path.home() / ".cache" / "qspec"))
+    monkeypatch.setenv(
+        "QSPEC_CACHE_DIR", os.environ.get("QSPEC_REAL_CACHE_DIR") or str(Path.home() / ".cache" / "qspec")
+    )
     config = make_config(num_speculative_tokens="0,4", prefill_seq_len=32, ctx_len=512, full_batch_size=2)
     package = compile_package(smollm2_path(), CompileOptions(specialization=config), output=tmp_path / "pkg")[0]
     prompts = mt_bench_prompts()
-    refs = [o.text for o in Engine(package, method="none").generate(prompts, SamplingParams(max_new_tokens=48), chat=True)]
+    refs = [
+        o.text for o in Engine(package, method="none").generate(prompts, SamplingParams(max_new_tokens=48), chat=True)
+    ]
     server = Server(package, method="pld", dispatch="cover")
     server.client = server.client.with_options(timeout=600)  # a shared machine may be slow
     try:
+
         def chat(i: int) -> str:
             time.sleep(0.2 * i)
             messages = [{"role": "user", "content": prompts[i]}]
-            return server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=48, temperature=0).choices[0].message.content
+            return (
+                server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=48, temperature=0)
+                .choices[0]
+                .message.content
+            )
 
         with ThreadPoolExecutor(len(prompts)) as pool:
             assert list(pool.map(chat, range(len(prompts)))) == refs

@@ -116,7 +116,7 @@ def test_export_parity_with_pytorch(hf_model, graph_kind):
         kv = dict(zip(names, out[1:]))
         return out[0]
 
-    tokens = tokenizer("The quick brown fox jumps over the lazy dog. " * 6)["input_ids"][: ctx]
+    tokens = tokenizer("The quick brown fox jumps over the lazy dog. " * 6)["input_ids"][:ctx]
     assert len(tokens) == ctx
     with torch.no_grad():
         ref = model(torch.tensor([tokens])).logits[0].numpy()  # [ctx, vocab]
@@ -139,7 +139,19 @@ def test_export_parity_with_pytorch(hf_model, graph_kind):
 def test_compile_cli_end_to_end(tmp_path):
     """`qspec compile GGUF -k 0,4` writes a checked package with the vendor file."""
     out = tmp_path / "pkg"
-    cmd = [sys.executable, "-m", "qspec", "compile", str(smollm2_path()), "-k", "0,4", "--ctx-len", "256", "-o", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "qspec",
+        "compile",
+        str(smollm2_path()),
+        "-k",
+        "0,4",
+        "--ctx-len",
+        "256",
+        "-o",
+        str(out),
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     specs = json.loads((out / "specializations.json").read_text())["specializations"]
@@ -210,16 +222,29 @@ def test_int4_speculative_greedy_equals_plain(compiled, fbs):
     package = compiled("0,4", fbs, weight_format="int4")
     prompts = mt_bench_prompts()[:4]
     params = SamplingParams(max_new_tokens=NEW_TOKENS)
-    outputs = {m: [o.token_ids for o in Engine(package, method=m).generate(prompts, params, chat=True)]
-               for m in ("none", "pld")}
+    outputs = {
+        m: [o.token_ids for o in Engine(package, method=m).generate(prompts, params, chat=True)]
+        for m in ("none", "pld")
+    }
     assert outputs["pld"] == outputs["none"]
 
 
 def test_generate_cli_json(compiled):
     """`qspec generate --json` prints token ids, text and metrics per request."""
     package = compiled("0,4")
-    cmd = [sys.executable, "-m", "qspec", "generate", str(package), "--prompt", "Rename x to y: x = 1; print(x)",
-           "--chat", "--max-new-tokens", "24", "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "qspec",
+        "generate",
+        str(package),
+        "--prompt",
+        "Rename x to y: x = 1; print(x)",
+        "--chat",
+        "--max-new-tokens",
+        "24",
+        "--json",
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)

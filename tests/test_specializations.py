@@ -49,10 +49,7 @@ GOLDEN_CASES = {
 
 def shapes(specs: list[Specialization]) -> list[tuple]:
     """(batch_size, seq_len, ctx_len, num_logits_to_keep, full_batch_size) of each spec."""
-    return [
-        (s.batch_size, s.seq_len, s.ctx_len, s.num_logits_to_keep, s.full_batch_size)
-        for s in specs
-    ]
+    return [(s.batch_size, s.seq_len, s.ctx_len, s.num_logits_to_keep, s.full_batch_size) for s in specs]
 
 
 def entries(*items: str) -> str:
@@ -136,9 +133,7 @@ def test_config_is_frozen():
 def test_k_too_large_for_ctx_len_names_both_values():
     """K=200 needs seq_len 201, which does not fit ctx_len 128."""
     message = config_error(num_speculative_tokens=200)
-    assert message == (
-        "num_speculative_tokens 200 needs seq_len 201 > ctx_len 128; lower K or raise ctx_len"
-    )
+    assert message == ("num_speculative_tokens 200 needs seq_len 201 > ctx_len 128; lower K or raise ctx_len")
 
 
 def test_k_filling_ctx_len_exactly_is_allowed():
@@ -174,10 +169,7 @@ def test_non_positive_sizes_name_field_and_value(field, value):
 def test_bad_k_message_reaches_config_error_unchanged():
     """The parser's message is the config's message, without pydantic decoration."""
     message = config_error(num_speculative_tokens="0,a")
-    assert message == (
-        "num_speculative_tokens '0,a': 'a' is not an integer; "
-        "give a comma-separated list such as 0,4"
-    )
+    assert message == ("num_speculative_tokens '0,a': 'a' is not an integer; give a comma-separated list such as 0,4")
 
 
 def test_unknown_option_is_refused():
@@ -189,8 +181,14 @@ def test_comp_ctx_lengths_buckets_times_ks():
     """One prefill per prefill bucket, one decode per (decode bucket, K); sorted, deduplicated, ctx_len added."""
     specs = build_specializations(make_config(**CCL_CASE))
     assert [(s.seq_len, s.comp_ctx_lengths) for s in specs] == [
-        (32, 256), (32, 1024),  # prefill buckets: 256 given, 1024 = ctx_len added
-        (1, 256), (5, 256), (1, 512), (5, 512), (1, 1024), (5, 1024),  # decode: bucket-major, K ascending
+        (32, 256),
+        (32, 1024),  # prefill buckets: 256 given, 1024 = ctx_len added
+        (1, 256),
+        (5, 256),
+        (1, 512),
+        (5, 512),
+        (1, 1024),
+        (5, 1024),  # decode: bucket-major, K ascending
     ]
     names = json.loads(specializations_to_json(specs, fmt="named"))["specializations"]
     assert [n["name"] for n in names][:3] == ["Prefill_256", "Prefill_1024", "Decode_1_256"]
@@ -293,9 +291,7 @@ def test_build_non_speculative_prefill1_collapses_to_one():
 
 def test_to_wire_is_flat_ordered_strings_without_none():
     """to_wire: string values, contract key order, absent keys omitted."""
-    spec = Specialization(
-        batch_size=4, seq_len=5, ctx_len=256, num_logits_to_keep=5, full_batch_size=4
-    )
+    spec = Specialization(batch_size=4, seq_len=5, ctx_len=256, num_logits_to_keep=5, full_batch_size=4)
     wire = spec.to_wire()
     assert list(wire) == [
         "batch_size",
@@ -348,9 +344,7 @@ def test_flat_json_has_only_string_values():
 
 def test_named_json_names_prefill_and_decode_by_seq_len():
     """Named form: Prefill, then Decode_{seq_len} (K=0 -> Decode_1, K=4 -> Decode_5)."""
-    text = specializations_to_json(
-        build_specializations(make_config(num_speculative_tokens="0,4")), fmt="named"
-    )
+    text = specializations_to_json(build_specializations(make_config(num_speculative_tokens="0,4")), fmt="named")
     entries = json.loads(text)["specializations"]
     assert [e["name"] for e in entries] == ["Prefill", "Decode_1", "Decode_5"]
     assert entries[2]["symbols"] == {
@@ -370,9 +364,7 @@ def test_unknown_format_is_refused():
 @pytest.mark.parametrize("fmt", ["flat", "named"])
 def test_round_trip_write_read(tmp_path, fmt):
     """read(write(x)) == x for both formats, continuous batching included."""
-    specs = build_specializations(
-        make_config(num_speculative_tokens="0,2,4", full_batch_size=4, ctx_len=256)
-    )
+    specs = build_specializations(make_config(num_speculative_tokens="0,2,4", full_batch_size=4, ctx_len=256))
     path = write_specializations(specs, tmp_path / "specializations.json", fmt=fmt)
     assert read_specializations(path) == specs
     assert read_specializations(str(path)) == specs
@@ -447,9 +439,7 @@ def test_model_speculative_length_top_level_and_nested():
 def test_model_config_disagreement_warns_naming_what_is_ignored():
     """Model says 3, user asks [0, 4]: one warning, the requested Ks win."""
     warnings = check_model_speculative_config({"num_speculative_tokens": 3}, (0, 4))
-    assert warnings == [
-        "model config says num_speculative_tokens=3; using the requested [0, 4] and ignoring 3"
-    ]
+    assert warnings == ["model config says num_speculative_tokens=3; using the requested [0, 4] and ignoring 3"]
 
 
 def test_model_config_agreement_is_silent():

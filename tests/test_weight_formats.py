@@ -102,8 +102,10 @@ def test_fp32_runtime_graph_is_fused_and_keeps_the_contract(packages):
 
     def io(path):
         proto = onnx.load(str(path), load_external_data=False).graph
-        return [(v.name, [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim])
-                for v in list(proto.input) + list(proto.output)]
+        return [
+            (v.name, [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim])
+            for v in list(proto.input) + list(proto.output)
+        ]
 
     assert io(package / ORT_ONNX_FILE) == io(package / ONNX_FILE)
 
@@ -122,17 +124,22 @@ def test_weight_format_is_part_of_the_package_key(model, packages, tmp_path):
 def test_qaic_backend_refuses_quantized_weights():
     """The vendor flow compiles the fp32 graph: int4 for qaic is a one-line error naming --mxfp6-matmul."""
     with pytest.raises(ConfigError, match="--mxfp6-matmul"):
-        CompileOptions.create(specialization=make_config(num_speculative_tokens="0,4"), backend="qaic", weight_format="int4")
+        CompileOptions.create(
+            specialization=make_config(num_speculative_tokens="0,4"), backend="qaic", weight_format="int4"
+        )
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_quantized_packages_follow_fp32(packages, fmt):
     """Teacher-forced top-1 agreement with fp32 (random weights of std 0.3: a hard case): int8 >= 0.9, int4 >= 0.5."""
-    report = compare_packages(packages["fp32"]["0,4"], packages[fmt]["0,4"], ["abcabc", "hello world"],
-                              max_new_tokens=12, chat=False)
+    report = compare_packages(
+        packages["fp32"]["0,4"], packages[fmt]["0,4"], ["abcabc", "hello world"], max_new_tokens=12, chat=False
+    )
     assert report.prompts == 2 and report.positions > 20
     assert report.top1_agreement >= (0.9 if fmt == "int8" else 0.5)
-    same = compare_packages(packages["fp32"]["0,4"], packages["fp32"]["0,1,2,4,8"], ["abcabc"], max_new_tokens=12, chat=False)
+    same = compare_packages(
+        packages["fp32"]["0,4"], packages["fp32"]["0,1,2,4,8"], ["abcabc"], max_new_tokens=12, chat=False
+    )
     assert same.top1_agreement == 1.0 and same.greedy_equal == 1 and same.first_divergence == [None]
 
 
@@ -151,14 +158,30 @@ def test_compile_cli_weight_format(model, tmp_path):
     from tests.test_cli import assert_one_line_error, qspec
 
     out = tmp_path / "pkg"
-    result = qspec("compile", str(model), "-k", "0,4", "--ctx-len", "32", "--prefill-seq-len", "4",
-                   "--weight-format", "int4", "-o", str(out), "--json")
+    result = qspec(
+        "compile",
+        str(model),
+        "-k",
+        "0,4",
+        "--ctx-len",
+        "32",
+        "--prefill-seq-len",
+        "4",
+        "--weight-format",
+        "int4",
+        "-o",
+        str(out),
+        "--json",
+    )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["weight_format"] == "int4"
-    assert_one_line_error(qspec("compile", str(model), "--weight-format", "int3", "-o", str(tmp_path / "x")),
-                          "weight_format")
-    assert_one_line_error(qspec("compile", str(model), "--weight-format", "int8", "--backend", "qaic", "-o",
-                                str(tmp_path / "y")), "--mxfp6-matmul")
+    assert_one_line_error(
+        qspec("compile", str(model), "--weight-format", "int3", "-o", str(tmp_path / "x")), "weight_format"
+    )
+    assert_one_line_error(
+        qspec("compile", str(model), "--weight-format", "int8", "--backend", "qaic", "-o", str(tmp_path / "y")),
+        "--mxfp6-matmul",
+    )
 
 
 @pytest.mark.parametrize("fmt", ("fp32", *FORMATS))

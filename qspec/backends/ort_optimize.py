@@ -113,9 +113,7 @@ def ort_offline(source: Path, target: Path) -> None:
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
     options.optimized_model_filepath = str(target)
     options.log_severity_level = 3
-    options.add_session_config_entry(
-        "session.optimized_model_external_initializers_file_name", target.name + ".data"
-    )
+    options.add_session_config_entry("session.optimized_model_external_initializers_file_name", target.name + ".data")
     options.add_session_config_entry(
         "session.optimized_model_external_initializers_min_size_in_bytes", str(EXTERNAL_MIN_BYTES)
     )
@@ -229,8 +227,12 @@ def _save_proto(proto, path: Path) -> None:
     import onnx
 
     onnx.save_model(
-        proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-        location=path.name + ".data", size_threshold=EXTERNAL_MIN_BYTES,
+        proto,
+        str(path),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location=path.name + ".data",
+        size_threshold=EXTERNAL_MIN_BYTES,
     )
 
 

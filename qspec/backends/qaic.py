@@ -150,8 +150,7 @@ def qaic_compile_argv(
     """The compiler's command line; ``mdp_path`` is required when ``num_devices > 1``."""
     if options.num_devices > 1 and mdp_path is None:
         raise ConfigError(
-            f"num_devices {options.num_devices} needs an MDP partition config; pass mdp_path "
-            "(prepare_qaic writes one)"
+            f"num_devices {options.num_devices} needs an MDP partition config; pass mdp_path (prepare_qaic writes one)"
         )
     argv = [
         compiler,
@@ -187,8 +186,7 @@ def find_compiler() -> str | None:
     if from_env:
         if not _is_executable(from_env):
             raise ConfigError(
-                f"{COMPILER_ENV}={from_env} is not an executable file; point it to qaic-compile "
-                "or unset it"
+                f"{COMPILER_ENV}={from_env} is not an executable file; point it to qaic-compile or unset it"
             )
         return from_env
     on_path = shutil.which(COMPILER_NAME)
@@ -217,9 +215,7 @@ def _relative(path: str | os.PathLike[str], package_dir: Path) -> str:
     if not path.is_absolute():
         path = package_dir / path
     if not path.is_file():
-        raise ConfigError(
-            f"{path} does not exist; export the model and write specializations first"
-        )
+        raise ConfigError(f"{path} does not exist; export the model and write specializations first")
     return os.path.relpath(path, package_dir)
 
 

@@ -101,8 +101,9 @@ def compare_outputs(outputs: dict[str, list[int]], reference: dict[str, list[int
         if mine != theirs:
             mismatches.append(Mismatch(request=rid, first_difference_at=at, lengths=[len(mine), len(theirs)]))
     prefix = round(sum(fractions) / len(fractions), 4) if fractions else 1.0
-    return OutputComparison(equal=len(common) - len(mismatches), total=len(common), mismatches=mismatches,
-                            mean_common_prefix=prefix)
+    return OutputComparison(
+        equal=len(common) - len(mismatches), total=len(common), mismatches=mismatches, mean_common_prefix=prefix
+    )
 
 
 def summarize(collected: Collected, *, peak_rss_mb: float | None = None) -> ConfigSummary:
@@ -137,7 +138,9 @@ def with_ratios(summaries: list[ConfigSummary]) -> list[ConfigSummary]:
         if none is None:
             out.append(s)
             continue
-        overall = s.overall.model_copy(update={"ratio_to_none": ratio(s.overall.requests_per_s, none.overall.requests_per_s)})
+        overall = s.overall.model_copy(
+            update={"ratio_to_none": ratio(s.overall.requests_per_s, none.overall.requests_per_s)}
+        )
         rows = {}
         for category, row in s.per_category.items():
             reference = none.per_category.get(category)

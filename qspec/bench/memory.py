@@ -18,8 +18,15 @@ PROBE_MAX_NEW_TOKENS = 32
 ONE_SPEC_KEY = "none@1 (K=0 package)"
 
 
-def _probe(key: str, package: Path, config: RunConfig, knobs: dict, prompts: list[list[int]], max_new: int,
-           num_threads: int | None) -> MemoryProbe:
+def _probe(
+    key: str,
+    package: Path,
+    config: RunConfig,
+    knobs: dict,
+    prompts: list[list[int]],
+    max_new: int,
+    num_threads: int | None,
+) -> MemoryProbe:
     worker = Worker("probe", str(package), config.method, list(config.ks), knobs, prompts, max_new, num_threads)
     try:
         return MemoryProbe(**worker.receive(f"memory probe {key}"))

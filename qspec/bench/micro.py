@@ -37,6 +37,7 @@ def time_call(model, bound, iterations: int, *, warmup: int = 3) -> float:
 
 def _every_shape(model):
     """(name, binding) of every specialization: ``prefill``, ``K=4``, and ``@256`` per bucket when bucketed."""
+
     def at(ccl):
         return f"@{ccl}" if ccl else ""
 

@@ -102,8 +102,12 @@ def hf_folder(gguf: str, root: Path, say: Callable[[str], None] = _say_nothing) 
     finally:
         worker.close()
     build = PeerBuild(
-        what="hf folder", folder=str(folder), build_s=round(time.perf_counter() - begin, 1), cached=False,
-        size_mb=folder_size_mb(staging), command=f"transformers from_pretrained(gguf_file={Path(gguf).name}) + save_pretrained",
+        what="hf folder",
+        folder=str(folder),
+        build_s=round(time.perf_counter() - begin, 1),
+        cached=False,
+        size_mb=folder_size_mb(staging),
+        command=f"transformers from_pretrained(gguf_file={Path(gguf).name}) + save_pretrained",
     )
     return _finish(staging, folder, build)
 
@@ -111,8 +115,19 @@ def hf_folder(gguf: str, root: Path, say: Callable[[str], None] = _say_nothing) 
 def builder_command(hf: Path, output: Path, precision: str, cache_dir: Path) -> list[str]:
     """The model builder's command line for a CPU graph at ``precision``."""
     return [
-        sys.executable, "-m", BUILDER_MODULE, "-i", str(hf), "-o", str(output), "-p", precision, "-e", "cpu",
-        "-c", str(cache_dir),
+        sys.executable,
+        "-m",
+        BUILDER_MODULE,
+        "-i",
+        str(hf),
+        "-o",
+        str(output),
+        "-p",
+        precision,
+        "-e",
+        "cpu",
+        "-c",
+        str(cache_dir),
     ]
 
 
@@ -121,7 +136,9 @@ def _last_line(text: str) -> str:
     return lines[-1].strip() if lines else "no message"
 
 
-def build_ort_genai(hf: Path, precision: str, root: Path, version: str, say: Callable[[str], None] = _say_nothing) -> PeerBuild:
+def build_ort_genai(
+    hf: Path, precision: str, root: Path, version: str, say: Callable[[str], None] = _say_nothing
+) -> PeerBuild:
     """``root/ort-genai-<version>-<precision>``: the model builder's CPU graph, built once and timed."""
     assert precision in ORT_GENAI_PRECISIONS, f"precision {precision!r} not in {ORT_GENAI_PRECISIONS}"
     folder = root / f"ort-genai-{version}-{precision}"
@@ -143,7 +160,12 @@ def build_ort_genai(hf: Path, precision: str, root: Path, version: str, say: Cal
             f"{_last_line(done.stderr or done.stdout)}"
         )
     shown = " ".join(["python", *command[1:]]).replace(str(staging), str(folder))
-    build = PeerBuild(what=f"ort-genai {precision}", folder=str(folder), build_s=build_s, cached=False,
-                      size_mb=folder_size_mb(staging), command=shown)
+    build = PeerBuild(
+        what=f"ort-genai {precision}",
+        folder=str(folder),
+        build_s=build_s,
+        cached=False,
+        size_mb=folder_size_mb(staging),
+        command=shown,
+    )
     return _finish(staging, folder, build)
-

@@ -20,11 +20,26 @@ GREEDY = "greedy"
 LOOKUP = "lookup"  # the peer's own n-gram / prompt-lookup speculation
 
 
-def answer(tokens: list[int], start: float, first: float | None, finish: float, *, calls: int, proposed: int = 0,
-           accepted: int = 0) -> dict[str, Any]:
+def answer(
+    tokens: list[int],
+    start: float,
+    first: float | None,
+    finish: float,
+    *,
+    calls: int,
+    proposed: int = 0,
+    accepted: int = 0,
+) -> dict[str, Any]:
     """One request as the worker sends it; ``calls``: the model's decode calls after the prefill."""
-    return {"tokens": tokens, "start": start, "first": first or finish, "finish": finish, "calls": calls,
-            "proposed": proposed, "accepted": accepted}
+    return {
+        "tokens": tokens,
+        "start": start,
+        "first": first or finish,
+        "finish": finish,
+        "calls": calls,
+        "proposed": proposed,
+        "accepted": accepted,
+    }
 
 
 def serve(conn, what: str, load: Callable[[], dict[str, str]], generate: Callable[[str, list[int], int], dict]) -> None:
@@ -94,8 +109,15 @@ def ort_genai_main(conn, folder: str, threads: int, eos_token_ids: list[int], ct
         stats = generator.get_speculative_stats()
         # Verification rounds and plain steps after a lookup miss are both decode calls of the model.
         calls = int(stats["target_forward_passes"] + stats["standard_fallback_steps"])
-        return answer(tokens, start, first, finish, calls=calls, proposed=int(stats["draft_tokens_proposed"]),
-                      accepted=int(stats["draft_tokens_accepted"]))
+        return answer(
+            tokens,
+            start,
+            first,
+            finish,
+            calls=calls,
+            proposed=int(stats["draft_tokens_proposed"]),
+            accepted=int(stats["draft_tokens_accepted"]),
+        )
 
     serve(conn, "ONNX Runtime GenAI", load, generate)
 

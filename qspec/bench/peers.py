@@ -65,8 +65,9 @@ class PeerRunner(Runner):
     target: str  # the worker target (qspec.bench.workers.TARGETS)
     what: str  # for messages: "ONNX Runtime GenAI fp32"
 
-    def __init__(self, backend: str, variants: dict[str, RunConfig], *, threads: int, eos_token_ids: list[int],
-                 ctx_len: int) -> None:
+    def __init__(
+        self, backend: str, variants: dict[str, RunConfig], *, threads: int, eos_token_ids: list[int], ctx_len: int
+    ) -> None:
         self.backend = backend
         self.variants = {config.key: variant for variant, config in variants.items()}
         self.configs = list(variants.values())
@@ -91,7 +92,9 @@ class PeerRunner(Runner):
             self.worker = None
             raise PeerUnavailable(str(exc)) from None
         steps.step(f"{self.what} loaded")
-        return RunnerInfo(versions=loaded["versions"], load_s=loaded["load_s"], threads=self.threads, builds=self.builds)
+        return RunnerInfo(
+            versions=loaded["versions"], load_s=loaded["load_s"], threads=self.threads, builds=self.builds
+        )
 
     def run(self, config: RunConfig, prompts: list[list[int]], max_new_tokens: int) -> RoundResult:
         assert self.worker is not None, f"{type(self).__name__}.run before start"
@@ -188,8 +191,11 @@ class PeerPlan:
         return configs + (list(llama_cpp_configs(self.gguf).values()) if self.gguf else [])
 
     def runners(self, options: BenchOptions, eos_token_ids: list[int]) -> list[PeerRunner]:
-        common = {"threads": options.num_threads or usable_cores(), "eos_token_ids": eos_token_ids,
-                  "ctx_len": options.ctx_len}
+        common = {
+            "threads": options.num_threads or usable_cores(),
+            "eos_token_ids": eos_token_ids,
+            "ctx_len": options.ctx_len,
+        }
         runners: list[PeerRunner] = []
         if self.ort_genai:
             runners += [OrtGenaiRunner(*self.ort_genai, p, **common) for p in ORT_GENAI_PRECISIONS]
@@ -221,7 +227,9 @@ def _llama_cpp_reason(source: str | None) -> str | None:
 def plan_peers(source: str | None, options: BenchOptions) -> PeerPlan:
     """Which peers can run on ``source`` (the model file or folder); the others as :class:`Skipped`."""
     if not options.peers:
-        return PeerPlan(None, None, [Skipped(what=f"peers ({ORT_GENAI}, {LLAMA_CPP})", why="not requested (--no-peers)")])
+        return PeerPlan(
+            None, None, [Skipped(what=f"peers ({ORT_GENAI}, {LLAMA_CPP})", why="not requested (--no-peers)")]
+        )
     skipped = []
     ort_genai = gguf = None
     reason = _ort_genai_reason(source)

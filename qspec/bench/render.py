@@ -56,10 +56,18 @@ def _equality(report: BenchReport) -> list[str]:
     equality = report.equality
     verdict = "equal" if equality.speculative_equal_none else "NOT equal"
     lines = ["", "## Greedy outputs", ""]
-    lines.append(f"Every speculative configuration's greedy output is **{verdict}** to `none`'s at the same batch size.")
+    lines.append(
+        f"Every speculative configuration's greedy output is **{verdict}** to `none`'s at the same batch size."
+    )
     rows = [
-        [c.config, c.reference, c.kind, f"{c.equal}/{c.total}", f"{c.mean_common_prefix:.3f}",
-         ", ".join(f"{m.request}@{m.first_difference_at}" for m in c.mismatches[:5]) or "–"]
+        [
+            c.config,
+            c.reference,
+            c.kind,
+            f"{c.equal}/{c.total}",
+            f"{c.mean_common_prefix:.3f}",
+            ", ".join(f"{m.request}@{m.first_difference_at}" for m in c.mismatches[:5]) or "–",
+        ]
         for c in equality.checks
     ]
     header = ["config", "reference", "kind", "equal", "common prefix (mean)", "first mismatches (request@token)"]
@@ -72,13 +80,34 @@ def _configs(report: BenchReport) -> list[str]:
     rows = []
     for s in report.configs:
         o = s.overall
-        rows.append([
-            s.key, o.requests_per_s, o.output_tokens_per_s, o.ttft_ms_median, o.tpot_ms_median,
-            o.mean_accepted_tokens, o.acceptance_rate, _calls_per_k(o.calls),
-            _fmt(o.peak_rss_mb, 0), _fmt(o.ratio_to_none, 3), f"{max(s.round_other_cpu or [0]):.0%}",
-        ])
-    header = ["config@batch", "req/s", "out tok/s", "TTFT ms (median)", "TPOT ms (median)", "tokens/call",
-              "acceptance", "calls per K", "peak RSS MB", "x none", "other CPU (worst round)"]
+        rows.append(
+            [
+                s.key,
+                o.requests_per_s,
+                o.output_tokens_per_s,
+                o.ttft_ms_median,
+                o.tpot_ms_median,
+                o.mean_accepted_tokens,
+                o.acceptance_rate,
+                _calls_per_k(o.calls),
+                _fmt(o.peak_rss_mb, 0),
+                _fmt(o.ratio_to_none, 3),
+                f"{max(s.round_other_cpu or [0]):.0%}",
+            ]
+        )
+    header = [
+        "config@batch",
+        "req/s",
+        "out tok/s",
+        "TTFT ms (median)",
+        "TPOT ms (median)",
+        "tokens/call",
+        "acceptance",
+        "calls per K",
+        "peak RSS MB",
+        "x none",
+        "other CPU (worst round)",
+    ]
     return ["", "## Per configuration", ""] + _table(header, rows)
 
 
@@ -101,9 +130,14 @@ def _micro(report: BenchReport) -> list[str]:
     micro = report.micro
     if not micro:
         return []
-    lines = ["", "## One call per specialization", "",
-             f"Copy bandwidth {micro.copy_bandwidth_gb_s} GB/s (numpy copy, read + write counted); "
-             "floor = weight bytes / bandwidth.", ""]
+    lines = [
+        "",
+        "## One call per specialization",
+        "",
+        f"Copy bandwidth {micro.copy_bandwidth_gb_s} GB/s (numpy copy, read + write counted); "
+        "floor = weight bytes / bandwidth.",
+        "",
+    ]
     rows = [
         [p.batch, c.specialization, c.shape, c.tokens_per_call, c.median_ms, p.floor_ms, c.ratio_to_floor]
         for p in micro.packages
@@ -116,18 +150,26 @@ def _memory(report: BenchReport) -> list[str]:
     memory = report.memory
     if not memory:
         return []
-    lines = ["", "## Memory", "",
-             f"Each configuration in its own process: load, generate {memory.probe_prompts_max_new_tokens} tokens per "
-             "prompt (batch-size prompts), RSS after load and peak.", ""]
+    lines = [
+        "",
+        "## Memory",
+        "",
+        f"Each configuration in its own process: load, generate {memory.probe_prompts_max_new_tokens} tokens per "
+        "prompt (batch-size prompts), RSS after load and peak.",
+        "",
+    ]
     rows = [
         [key, p.specializations, p.rss_loaded_mb, p.rss_after_generate_mb, p.peak_rss_mb]
         for key, p in memory.probes.items()
     ]
     lines += _table(["config", "specializations", "RSS loaded MB", "RSS after generate MB", "peak RSS MB"], rows)
     if memory.ratio:
-        lines += ["", f"Peak RSS with {memory.many_label}: {memory.many_peak_mb:.0f} MB, "
-                      f"{memory.ratio:.3f} × the K=0 package's {memory.one_peak_mb:.0f} MB "
-                      f"(`none` on both packages: {_fmt(memory.none_ratio, 3)} ×)."]
+        lines += [
+            "",
+            f"Peak RSS with {memory.many_label}: {memory.many_peak_mb:.0f} MB, "
+            f"{memory.ratio:.3f} × the K=0 package's {memory.one_peak_mb:.0f} MB "
+            f"(`none` on both packages: {_fmt(memory.none_ratio, 3)} ×).",
+        ]
     return lines
 
 
@@ -138,26 +180,58 @@ def _peers(report: BenchReport) -> list[str]:
     if peers:
         none = report.config("none@1")
         agreement = {c.config: c for c in report.equality.checks}
-        lines += ["", "## Peers (batch 1)", "",
-                  "Same prompt token ids, token budget and EOS ids as qspec; greedy. Agreement: outputs equal to "
-                  "qspec `none`'s, and the mean share of the longer output before the first difference "
-                  "(exact equality is not expected across runtimes: kernels sum in other orders).", ""]
+        lines += [
+            "",
+            "## Peers (batch 1)",
+            "",
+            "Same prompt token ids, token budget and EOS ids as qspec; greedy. Agreement: outputs equal to "
+            "qspec `none`'s, and the mean share of the longer output before the first difference "
+            "(exact equality is not expected across runtimes: kernels sum in other orders).",
+            "",
+        ]
         rows = []
         for s in peers:
             o, check = s.overall, agreement.get(s.key)
-            versus = o.output_tokens_per_s / none.overall.output_tokens_per_s if none and none.overall.output_tokens_per_s else None
-            rows.append([s.key, o.output_tokens_per_s, _fmt(versus, 3), o.ttft_ms_median, o.tpot_ms_median,
-                         o.mean_accepted_tokens, o.acceptance_rate,
-                         f"{check.equal}/{check.total}" if check else "–", _fmt(check.mean_common_prefix, 3) if check else "–"])
-        header = ["config@batch", "out tok/s", "tok/s x qspec none", "TTFT ms (median)", "TPOT ms (median)",
-                  "tokens/call", "acceptance", "equal to none", "common prefix (mean)"]
+            versus = (
+                o.output_tokens_per_s / none.overall.output_tokens_per_s
+                if none and none.overall.output_tokens_per_s
+                else None
+            )
+            rows.append(
+                [
+                    s.key,
+                    o.output_tokens_per_s,
+                    _fmt(versus, 3),
+                    o.ttft_ms_median,
+                    o.tpot_ms_median,
+                    o.mean_accepted_tokens,
+                    o.acceptance_rate,
+                    f"{check.equal}/{check.total}" if check else "–",
+                    _fmt(check.mean_common_prefix, 3) if check else "–",
+                ]
+            )
+        header = [
+            "config@batch",
+            "out tok/s",
+            "tok/s x qspec none",
+            "TTFT ms (median)",
+            "TPOT ms (median)",
+            "tokens/call",
+            "acceptance",
+            "equal to none",
+            "common prefix (mean)",
+        ]
         lines += _table(header, rows)
     builds = [(backend, b) for backend, info in report.meta.runners.items() for b in info.builds]
     if builds:
         lines += ["", "Model files the peers run (a cached one shows the time it took when it was built):", ""]
-        lines += _table(["backend", "what", "build s", "cached", "MB", "command"],
-                        [[backend, b.what, b.build_s, "yes" if b.cached else "no", _fmt(b.size_mb, 0), f"`{b.command}`"]
-                         for backend, b in builds])
+        lines += _table(
+            ["backend", "what", "build s", "cached", "MB", "command"],
+            [
+                [backend, b.what, b.build_s, "yes" if b.cached else "no", _fmt(b.size_mb, 0), f"`{b.command}`"]
+                for backend, b in builds
+            ],
+        )
     if report.meta.skipped:
         lines += ["", "## Skipped", ""] + [f"- {s.what}: {s.why}" for s in report.meta.skipped]
     return lines

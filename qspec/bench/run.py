@@ -55,7 +55,7 @@ def make_plan(model: str, options: BenchOptions) -> BenchPlan:
     configs = plan_configs(options, draft_slots=resolved.draft_slots) + peers.configs
     prompts = load_prompts(options.prompts or default_prompts_path(), per_category=options.per_category)
     if options.turns == 2 and not any(len(p.turns) >= 2 for p in prompts):
-        raise ConfigError("turns=2 needs prompts with two turns (MT-bench's \"turns\"); these have one")
+        raise ConfigError('turns=2 needs prompts with two turns (MT-bench\'s "turns"); these have one')
     return BenchPlan(model, resolved, configs, prompts, peers)
 
 
@@ -87,8 +87,9 @@ def baseline_runners(plan: BenchPlan, eos_token_ids: list[int]) -> list[Runner]:
     backends = {c.backend for c in plan.configs if c.baseline}
     runners: list[Runner] = []
     if TRANSFORMERS in backends:
-        runners.append(TransformersRunner(plan.resolved.source, num_threads=plan.options.num_threads,
-                                          eos_token_ids=eos_token_ids))
+        runners.append(
+            TransformersRunner(plan.resolved.source, num_threads=plan.options.num_threads, eos_token_ids=eos_token_ids)
+        )
     return runners + plan.peers.runners(plan.options, eos_token_ids)
 
 
@@ -105,7 +106,9 @@ def start_baselines(plan: BenchPlan, baselines: list[Runner], steps: Steps) -> t
         except PeerUnavailable as exc:
             runner.close()
             dropped.add(runner.backend)
-            skipped.append(Skipped(what=f"{runner.backend} ({', '.join(c.name for c in runner.configs)})", why=str(exc)))
+            skipped.append(
+                Skipped(what=f"{runner.backend} ({', '.join(c.name for c in runner.configs)})", why=str(exc))
+            )
             steps.step(f"skipped {runner.backend}: {exc}")
     if dropped:
         kept = [c for c in plan.configs if c.backend not in dropped]
@@ -128,7 +131,11 @@ def run_micro(models: dict, iterations: int, steps: Steps) -> MicroReport | None
 
 
 def run_phase(
-    plan: BenchPlan, runners: dict[str, Runner], requests: list[Request], collected: dict[str, Collected], turn: int,
+    plan: BenchPlan,
+    runners: dict[str, Runner],
+    requests: list[Request],
+    collected: dict[str, Collected],
+    turn: int,
     steps: Steps,
 ) -> None:
     """Every configuration on every round of ``requests``, the order rotated by one each round."""
@@ -196,8 +203,13 @@ class Measured:
 def _measure(plan: BenchPlan, packages: Packages, steps: Steps, laps: Laps) -> Measured:
     """Load the runners, then micro-benchmark, timed rounds and memory probes."""
     options = plan.options
-    qspec = QspecRunner(packages.by_batch, [c for c in plan.configs if not c.baseline], num_threads=options.num_threads,
-                        dispatch=options.dispatch, draft_package=options.draft_package)
+    qspec = QspecRunner(
+        packages.by_batch,
+        [c for c in plan.configs if not c.baseline],
+        num_threads=options.num_threads,
+        dispatch=options.dispatch,
+        draft_package=options.draft_package,
+    )
     qspec.start(steps)
     baselines = baseline_runners(plan, sorted(qspec.first_engine.eos_token_ids))
     try:
@@ -218,9 +230,16 @@ def _measure(plan: BenchPlan, packages: Packages, steps: Steps, laps: Laps) -> M
     memory = None
     if options.memory:
         prompt_ids = [qspec.encode_chat([{"role": "user", "content": p.turns[0]}]) for p in plan.prompts]
-        memory = run_memory(plan.configs, packages.by_batch, packages.one_spec, prompt_ids,
-                            max_new_tokens=options.max_new_tokens, num_threads=options.num_threads,
-                            draft_package=options.draft_package, steps=steps)
+        memory = run_memory(
+            plan.configs,
+            packages.by_batch,
+            packages.one_spec,
+            prompt_ids,
+            max_new_tokens=options.max_new_tokens,
+            num_threads=options.num_threads,
+            draft_package=options.draft_package,
+            steps=steps,
+        )
     laps.lap("memory_s")
     runner_info = {backend: i for backend, i in info.items() if i is not None}
     return Measured(collected, micro, memory, runner_info, peaks, skipped)
@@ -235,13 +254,24 @@ def _peak_rss(config: RunConfig, measured: Measured) -> float | None:
 
 def machine_info(other_cpu: float) -> MachineInfo:
     return MachineInfo(
-        cpu=cpu_name(), cores=usable_cores(), memory_gb=round(psutil.virtual_memory().total / 1e9, 1),
-        other_processes_cpu_share=other_cpu, **machine_versions(),
+        cpu=cpu_name(),
+        cores=usable_cores(),
+        memory_gb=round(psutil.virtual_memory().total / 1e9, 1),
+        other_processes_cpu_share=other_cpu,
+        **machine_versions(),
     )
 
 
-def build_report(plan: BenchPlan, packages: Packages, measured: Measured, *, started: str, wall_s: float,
-                 phases: dict[str, float], other_cpu: float) -> BenchReport:
+def build_report(
+    plan: BenchPlan,
+    packages: Packages,
+    measured: Measured,
+    *,
+    started: str,
+    wall_s: float,
+    phases: dict[str, float],
+    other_cpu: float,
+) -> BenchReport:
     """Summaries, ratios, equality checks and targets of what was measured, as one typed report."""
     collected = measured.collected
     summaries = with_ratios([summarize(c, peak_rss_mb=_peak_rss(c.config, measured)) for c in collected.values()])
@@ -292,5 +322,12 @@ def run_bench(
     measured = _measure(plan, packages, steps, laps)
     other_cpu = meter.other_share()
     steps.step("report ready")
-    return build_report(plan, packages, measured, started=started, wall_s=round(time.perf_counter() - begin, 1),
-                        phases=laps.phases, other_cpu=other_cpu)
+    return build_report(
+        plan,
+        packages,
+        measured,
+        started=started,
+        wall_s=round(time.perf_counter() - begin, 1),
+        phases=laps.phases,
+        other_cpu=other_cpu,
+    )

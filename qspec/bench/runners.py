@@ -82,7 +82,12 @@ class QspecRunner(Runner):
     backend = "qspec"
 
     def __init__(
-        self, packages: dict[int, Path], configs: list[RunConfig], *, num_threads: int | None, dispatch: str,
+        self,
+        packages: dict[int, Path],
+        configs: list[RunConfig],
+        *,
+        num_threads: int | None,
+        dispatch: str,
         draft_package: Path | None,
     ) -> None:
         self.packages = packages
@@ -103,8 +108,12 @@ class QspecRunner(Runner):
             for config in [c for c in self.configs if c.batch == batch]:
                 # Engines on one loaded model share its weights, sessions and KV cache, one at a time.
                 self.engines[config.key] = Engine(
-                    package, method=config.method, num_speculative_tokens=list(config.ks), dispatch=self.dispatch,
-                    model=model, **engine_knobs(config.method, self.draft_package),
+                    package,
+                    method=config.method,
+                    num_speculative_tokens=list(config.ks),
+                    dispatch=self.dispatch,
+                    model=model,
+                    **engine_knobs(config.method, self.draft_package),
                 )
             steps.step(f"batch {batch} engines ready")
         return None

@@ -25,7 +25,9 @@ def _target(name: str, goal: str, measured: str, passed: bool | None) -> Target:
     return Target(target=name, goal=goal, measured=measured, status=status)
 
 
-def _at_least(name: str, value: float | None, goal: float, *, suffix: str = "", digits: int = 2, missing: str = "not run"):
+def _at_least(
+    name: str, value: float | None, goal: float, *, suffix: str = "", digits: int = 2, missing: str = "not run"
+):
     """A ``>= goal x`` target on a ratio that may be missing (configuration not run)."""
     measured = f"{value:.{digits}f} x" if value is not None else missing
     return _target(name, f">= {goal} x{suffix}", measured, value >= goal if value is not None else None)
@@ -104,14 +106,27 @@ def evaluate_targets(
         targets.append(_at_least(f"qspec {s.name} vs transformers prompt lookup, tokens/s", value, TARGET_VS_HF_LOOKUP))
     targets += _peer_targets(by_key, [s for s in variable if s.batch == 1 and s.method == "pld"])
     for s in [s for s in variable if s.batch == 4 and s.method == "pld"]:
-        targets.append(_at_least(f"{s.name} vs none, requests/s (batch 4)", s.overall.ratio_to_none,
-                                 TARGET_BATCH4_SPEEDUP, suffix=" none", digits=3, missing="no none run"))
+        targets.append(
+            _at_least(
+                f"{s.name} vs none, requests/s (batch 4)",
+                s.overall.ratio_to_none,
+                TARGET_BATCH4_SPEEDUP,
+                suffix=" none",
+                digits=3,
+                missing="no none run",
+            )
+        )
     hf = by_key.get(f"{HF_GREEDY}@1")
     if none is not None and hf is not None:
         value = none.overall.ttft_ms_median / hf.overall.ttft_ms_median
-        targets.append(_target("qspec none TTFT / transformers TTFT (median, batch 1)", "<= 1.0 x",
-                               f"{value:.2f} x ({none.overall.ttft_ms_median:.0f} / {hf.overall.ttft_ms_median:.0f} ms)",
-                               value <= 1.0))
+        targets.append(
+            _target(
+                "qspec none TTFT / transformers TTFT (median, batch 1)",
+                "<= 1.0 x",
+                f"{value:.2f} x ({none.overall.ttft_ms_median:.0f} / {hf.overall.ttft_ms_median:.0f} ms)",
+                value <= 1.0,
+            )
+        )
     targets += _micro_targets(micro)
     targets.append(_memory_target(memory))
     return targets
@@ -128,13 +143,25 @@ def _micro_targets(micro: MicroReport | None) -> list[Target]:
     for k, goal in TARGET_FLOOR.items():
         call = calls.get(f"{k}@{full}" if full else k)
         if call is not None:
-            targets.append(_target(f"{k} call / weight-streaming floor (batch 1)", f"<= {goal} x",
-                                   f"{call.ratio_to_floor:.2f} x ({call.median_ms} ms)", call.ratio_to_floor <= goal))
+            targets.append(
+                _target(
+                    f"{k} call / weight-streaming floor (batch 1)",
+                    f"<= {goal} x",
+                    f"{call.ratio_to_floor:.2f} x ({call.median_ms} ms)",
+                    call.ratio_to_floor <= goal,
+                )
+            )
     small, large = calls.get("K=4@256"), calls.get(f"K=4@{full}")
     if small is not None and large is not None and small is not large:
         value = small.median_ms / large.median_ms
-        targets.append(_target(f"K=4 call, bucket 256 / bucket {full}, positions < 256", f"<= {TARGET_CCL_RATIO} x",
-                               f"{value:.2f} x ({small.median_ms} / {large.median_ms} ms)", value <= TARGET_CCL_RATIO))
+        targets.append(
+            _target(
+                f"K=4 call, bucket 256 / bucket {full}, positions < 256",
+                f"<= {TARGET_CCL_RATIO} x",
+                f"{value:.2f} x ({small.median_ms} / {large.median_ms} ms)",
+                value <= TARGET_CCL_RATIO,
+            )
+        )
     return targets
 
 
@@ -148,14 +175,19 @@ def _peer_targets(by_key: dict[str, ConfigSummary], variable_pld: list[ConfigSum
     none, ort_greedy = by_key.get("none@1"), by_key.get(f"{ORT_GENAI}-fp32@1")
     if ort_greedy is not None:
         value = _tokens_ratio(none, ort_greedy)
-        targets.append(_at_least("qspec none vs ONNX Runtime GenAI greedy (fp32 both), tokens/s", value, TARGET_VS_PEER_GREEDY))
+        targets.append(
+            _at_least("qspec none vs ONNX Runtime GenAI greedy (fp32 both), tokens/s", value, TARGET_VS_PEER_GREEDY)
+        )
     ngram = [s for s in by_key.values() if s.backend.startswith(ORT_GENAI) and s.ks]
     lookup = [s for s in by_key.values() if s.backend == LLAMA_CPP and s.ks]
     for s in variable_pld:
-        for peers, goal, what in ((ngram, TARGET_VS_PEER_NGRAM, "ONNX Runtime GenAI n-gram"),
-                                  (lookup, TARGET_VS_PEER_LOOKUP, "llama.cpp prompt lookup")):
+        for peers, goal, what in (
+            (ngram, TARGET_VS_PEER_NGRAM, "ONNX Runtime GenAI n-gram"),
+            (lookup, TARGET_VS_PEER_LOOKUP, "llama.cpp prompt lookup"),
+        ):
             if peers:
                 best = max(peers, key=lambda p: p.overall.output_tokens_per_s)
-                targets.append(_at_least(f"qspec {s.name} vs {what} (best: {best.name}), tokens/s",
-                                         _tokens_ratio(s, best), goal))
+                targets.append(
+                    _at_least(f"qspec {s.name} vs {what} (best: {best.name}), tokens/s", _tokens_ratio(s, best), goal)
+                )
     return targets

@@ -131,9 +131,22 @@ def piece_specs(lm: nn.Module, info, options) -> list[PieceSpec]:
             names.append(contract.COMP_CTX_LENGTHS)
             examples.append(torch.zeros(ctx - 3, dtype=torch.int64))  # attend fewer slots than the buffer
             shapes.append({0: Dim(f"ccl_layer{j}", min=1)})
-        specs.append(PieceSpec(layer_function_name(lm, index), _layer_call(lm, index, options), names, examples, shapes, list(LAYER_OUT)))
+        specs.append(
+            PieceSpec(
+                layer_function_name(lm, index),
+                _layer_call(lm, index, options),
+                names,
+                examples,
+                shapes,
+                list(LAYER_OUT),
+            )
+        )
     b, s, ids = dims("epilogue", 6, 7)
-    names, examples, shapes = ["hidden", "valid"], [torch.zeros(6, 7, lm.config.hidden_size), ids >= 0], [{0: b, 1: s}, {0: b, 1: s}]
+    names, examples, shapes = (
+        ["hidden", "valid"],
+        [torch.zeros(6, 7, lm.config.hidden_size), ids >= 0],
+        [{0: b, 1: s}, {0: b, 1: s}],
+    )
     if options.speculative:
         names.append(contract.NUM_LOGITS_TO_KEEP)
         examples.append(torch.zeros(2, 1, dtype=torch.int64))
@@ -322,14 +335,22 @@ def compose(lm: nn.Module, pieces: dict[str, Piece], options):
     for i in range(lm.num_layers):
         rep = reps[lm.layer_signature(i)]
         piece = pieces[layer_function_name(lm, rep)]
-        past = [graph_input(piece, "past_key", contract.past_key(i)), graph_input(piece, "past_value", contract.past_value(i))]
+        past = [
+            graph_input(piece, "past_key", contract.past_key(i)),
+            graph_input(piece, "past_value", contract.past_value(i)),
+        ]
         inputs.extend(past)
         tensors = _layer_weights(lm, piece, rep, i)
         call = ir.node(
             layer_function_name(lm, rep),
-            [hidden, *shared, *([batch_index] if batch_index is not None else []), *past,
-             *([ccl] if ccl is not None else []),
-             *(weight(t, f"layers.{i}.{j}") for j, t in enumerate(tensors))],
+            [
+                hidden,
+                *shared,
+                *([batch_index] if batch_index is not None else []),
+                *past,
+                *([ccl] if ccl is not None else []),
+                *(weight(t, f"layers.{i}.{j}") for j, t in enumerate(tensors)),
+            ],
             domain=DOMAIN,
             num_outputs=len(LAYER_OUT),
         )
@@ -341,8 +362,12 @@ def compose(lm: nn.Module, pieces: dict[str, Piece], options):
             retained.append(value)
     epi = ir.node(
         "epilogue",
-        [hidden, shared[-1], *([keep] if keep is not None else []),
-         *(weight(t, f"epilogue.{i}") for i, t in enumerate(epilogue.weights))],
+        [
+            hidden,
+            shared[-1],
+            *([keep] if keep is not None else []),
+            *(weight(t, f"epilogue.{i}") for i, t in enumerate(epilogue.weights)),
+        ],
         domain=DOMAIN,
         num_outputs=1,
     )

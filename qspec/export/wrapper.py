@@ -90,7 +90,9 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 class KVExplicitLM(nn.Module):
     """``forward(input_ids, position_ids, [batch_index], [num_logits_to_keep], *kv) -> logits, *kv'``."""
 
-    def __init__(self, model: nn.Module, *, continuous_batching: bool, speculative: bool, comp_ctx_lengths: bool = False):
+    def __init__(
+        self, model: nn.Module, *, continuous_batching: bool, speculative: bool, comp_ctx_lengths: bool = False
+    ):
         super().__init__()
         self.model = model
         self.config = model.config
@@ -108,9 +110,7 @@ class KVExplicitLM(nn.Module):
         self.head_dim = attn.head_dim
         self.num_heads = model.config.num_attention_heads
         self.num_kv_heads = model.config.num_key_value_heads
-        self.windows = [
-            self.adapter.window(model.config, i, layer.self_attn) for i, layer in enumerate(decoder.layers)
-        ]
+        self.windows = [self.adapter.window(model.config, i, layer.self_attn) for i, layer in enumerate(decoder.layers)]
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *rest: torch.Tensor):
         rest = list(rest)
@@ -153,7 +153,9 @@ class KVExplicitLM(nn.Module):
         ctx_len = key_pos[-1:] + 1  # a tensor: the exporter cannot take a remainder by a symbolic int
         slots = torch.where(valid, query_pos, torch.remainder(anchor + steps, ctx_len))  # [batch, seq]
         read = ccl.shape[0] if ccl is not None else None
-        mask = _visible(query_pos, key_pos[:read] if ccl is not None else key_pos, self.windows[i])  # [b, 1, 1, seq, read]
+        mask = _visible(
+            query_pos, key_pos[:read] if ccl is not None else key_pos, self.windows[i]
+        )  # [b, 1, 1, seq, read]
         kv = (past_key, past_value)
         x = layer.input_layernorm(hidden)
         attn_out, (keys, values) = self._attention(layer, x, cos, sin, mask, kv, slots, valid, batch_index, read)

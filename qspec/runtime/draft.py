@@ -272,7 +272,9 @@ class DraftProposer(Proposer):
             backlogs.append(PrefillRow(row.request.slot, list(row.feed), start=len(row.request.cached)))
             row.request.cached.extend(row.feed)
             row.feed.clear()
-        self.calls["prefill"] += run_prefill(self.model, backlogs, lambda i, logits: self._add_draft(rows[i], logits[0]))
+        self.calls["prefill"] += run_prefill(
+            self.model, backlogs, lambda i, logits: self._add_draft(rows[i], logits[0])
+        )
 
     def draft(self, rows: list[_Row]) -> None:
         """Batched seq_len = 1 calls until every row has its drafts: one token per row per call.

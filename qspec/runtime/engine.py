@@ -286,7 +286,9 @@ class Engine:
         """Raise unless ``prompt_ids`` fits the package's context (PromptTooLongError names both numbers)."""
         check_fits(name, list(prompt_ids), self.model.ctx_len)
 
-    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None, *, arrival: float | None = None) -> int:
+    def add_request(
+        self, prompt_ids: Sequence[int], params: SamplingParams | None = None, *, arrival: float | None = None
+    ) -> int:
         """Queue a request; it joins the batch at a later :meth:`step`. Returns its request id."""
         ids = [int(t) for t in prompt_ids]
         request_id = self._next_id
@@ -384,7 +386,9 @@ class Engine:
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
-            raise ConfigError(f"got {len(params)} sampling params for {len(prompts)} prompts; give one or one per prompt")
+            raise ConfigError(
+                f"got {len(params)} sampling params for {len(prompts)} prompts; give one or one per prompt"
+            )
         if self.has_unfinished():
             raise ConfigError("generate() needs an idle engine: requests added with add_request() are still in flight")
         encoded = [self.encode(p, chat=chat) for p in prompts]

@@ -38,7 +38,6 @@ from qspec.runtime.backend import Binding, LoadedModel, SessionMode, host_arrays
 from qspec.specializations import Specialization
 
 
-
 @dataclass
 class OrtBinding(Binding):
     """A specialization's host arrays wrapped (not copied) by OrtValues bound to its session's IO binding."""
@@ -130,4 +129,3 @@ class CompiledModel(LoadedModel):
         """One call with the inputs written into ``bound``'s arrays; returns its logits array."""
         bound.session.run_with_iobinding(bound.binding)
         return bound.logits
-

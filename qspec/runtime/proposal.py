@@ -48,7 +48,9 @@ class Proposal:
 
     def __post_init__(self) -> None:
         if self.probs is not None:
-            assert self.probs.shape[0] == len(self.tokens), f"{self.probs.shape[0]} q rows for {len(self.tokens)} drafts"
+            assert self.probs.shape[0] == len(self.tokens), (
+                f"{self.probs.shape[0]} q rows for {len(self.tokens)} drafts"
+            )
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -32,8 +32,16 @@ from qspec.runtime.suffix import SuffixProposer
 Rng = np.random.Generator | None
 
 __all__ = [
-    "PROPOSER_METHODS", "NoProposer", "PromptLookup", "PromptLookupProposer", "Proposal", "Proposer",
-    "SuffixProposer", "UserProposer", "find_longest_ngram", "make_proposer",
+    "PROPOSER_METHODS",
+    "NoProposer",
+    "PromptLookup",
+    "PromptLookupProposer",
+    "Proposal",
+    "Proposer",
+    "SuffixProposer",
+    "UserProposer",
+    "find_longest_ngram",
+    "make_proposer",
 ]
 
 DEFAULT_PROMPT_LOOKUP_MIN = 1
@@ -278,6 +286,7 @@ class UserProposer(Proposer):
 # Factory
 # --------------------------------------------------------------------------------------------
 
+
 def _draft_proposer(**knobs: Any) -> Proposer:
     from qspec.runtime.draft import DraftProposer  # loads a model: imported only when asked for
 
@@ -325,15 +334,11 @@ def make_proposer(method: str, **knobs: Any) -> Proposer:
     and so is a missing knob the method cannot do without (``draft`` needs ``draft_package``).
     """
     if method not in _PROPOSERS:
-        raise ConfigError(
-            f"unknown speculative method {method!r}; valid methods: {', '.join(PROPOSER_METHODS)}"
-        )
+        raise ConfigError(f"unknown speculative method {method!r}; valid methods: {', '.join(PROPOSER_METHODS)}")
     known = {name for _, names, _ in _PROPOSERS.values() for name in names}
     unknown = sorted(set(knobs) - known)
     if unknown:
-        raise ConfigError(
-            f"unknown proposer option(s) {', '.join(unknown)}; valid options: {', '.join(sorted(known))}"
-        )
+        raise ConfigError(f"unknown proposer option(s) {', '.join(unknown)}; valid options: {', '.join(sorted(known))}")
     factory, names, required = _PROPOSERS[method]
     kwargs = {name: knobs[name] for name in names if knobs.get(name) is not None}
     for name in required:

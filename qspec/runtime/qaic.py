@@ -84,7 +84,9 @@ class QaicModel(LoadedModel):
         try:
             self.session = session_type(str(qpc_path(self)), device_ids=device_ids)
         except ImportError as exc:  # QEfficient imports without qaicrt and fails when a session starts
-            raise QaicRuntimeError(f"backend qaic: the QAIC runtime cannot start ({exc}); install the Platform SDK") from None
+            raise QaicRuntimeError(
+                f"backend qaic: the QAIC runtime cannot start ({exc}); install the Platform SDK"
+            ) from None
         self.kv_names = contract.kv_names(self.manifest.model.num_layers)
         # The KV cache stays on the device: neither written from nor read back to the host.
         self.session.skip_buffers(self.kv_names + [contract.retained(name) for name in self.kv_names])

@@ -228,9 +228,7 @@ class SuffixProposer(Proposer):
         if not suffix_decoding_max_spec_factor > 0:
             raise ConfigError(f"suffix_decoding_max_spec_factor={suffix_decoding_max_spec_factor} must be > 0")
         if not 0 <= suffix_decoding_min_token_prob <= 1:
-            raise ConfigError(
-                f"suffix_decoding_min_token_prob={suffix_decoding_min_token_prob} must be in [0, 1]"
-            )
+            raise ConfigError(f"suffix_decoding_min_token_prob={suffix_decoding_min_token_prob} must be in [0, 1]")
         self.max_tree_depth = suffix_decoding_max_tree_depth
         self.max_cached_requests = suffix_decoding_max_cached_requests
         self.max_spec_factor = suffix_decoding_max_spec_factor
@@ -245,9 +243,7 @@ class SuffixProposer(Proposer):
         try:
             return self._requests[request_id]
         except KeyError:
-            raise KeyError(
-                f"unknown request {request_id!r}: call start() before extend/propose/finish"
-            ) from None
+            raise KeyError(f"unknown request {request_id!r}: call start() before extend/propose/finish") from None
 
     def start(
         self,
@@ -285,9 +281,7 @@ class SuffixProposer(Proposer):
         knobs = dict(max_spec_factor=self.max_spec_factor, min_token_prob=self.min_token_prob)
         draft, score = req.tree.speculate(req.frontier, k, own=True, **knobs)
         if self._cached:
-            global_draft, global_score = self.global_tree.speculate(
-                self._global_frontier(req), k, own=False, **knobs
-            )
+            global_draft, global_score = self.global_tree.speculate(self._global_frontier(req), k, own=False, **knobs)
             if global_score > score:
                 draft = global_draft
         return np.asarray(draft, dtype=np.int64)

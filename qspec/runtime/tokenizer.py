@@ -34,9 +34,7 @@ class Tokenizer:
         config_path = folder / "tokenizer_config.json"
         self.config = json.loads(config_path.read_text()) if config_path.is_file() else {}
         template_path = folder / CHAT_TEMPLATE_FILE
-        self.chat_template = (
-            template_path.read_text() if template_path.is_file() else self.config.get("chat_template")
-        )
+        self.chat_template = template_path.read_text() if template_path.is_file() else self.config.get("chat_template")
         self.bos_token = _token_content(self.config.get("bos_token"))
         self.eos_token = _token_content(self.config.get("eos_token"))
         self._template = None

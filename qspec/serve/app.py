@@ -97,7 +97,13 @@ class Frontend:
         return None
 
     async def stream(
-        self, ticket: Ticket, request: Request, *, include_usage: bool, chunk: Callable[..., object], usage_chunk: Callable[[Usage], object]
+        self,
+        ticket: Ticket,
+        request: Request,
+        *,
+        include_usage: bool,
+        chunk: Callable[..., object],
+        usage_chunk: Callable[[Usage], object],
     ) -> AsyncIterator[str]:
         """Server-sent events: one chunk per step with new text, the finish chunk, usage, ``[DONE]``."""
         tokens = 0
@@ -153,11 +159,15 @@ def create_app(engine: Engine, worker: EngineWorker, *, served_model_name: str) 
         rid = new_id("cmpl")
 
         def chunk(text: str, finish_reason: str | None) -> CompletionResponse:
-            return CompletionResponse(id=rid, model=served_model_name, choices=[CompletionChoice(text=text, finish_reason=finish_reason)])
+            return CompletionResponse(
+                id=rid, model=served_model_name, choices=[CompletionChoice(text=text, finish_reason=finish_reason)]
+            )
 
         if body.stream:
             usage_chunk = lambda usage: CompletionResponse(id=rid, model=served_model_name, choices=[], usage=usage)  # noqa: E731
-            events = front.stream(ticket, request, include_usage=body.include_usage, chunk=chunk, usage_chunk=usage_chunk)
+            events = front.stream(
+                ticket, request, include_usage=body.include_usage, chunk=chunk, usage_chunk=usage_chunk
+            )
             return StreamingResponse(events, media_type="text/event-stream")
         result = await front.collect(ticket, request)
         if result is None:
@@ -180,17 +190,23 @@ def create_app(engine: Engine, worker: EngineWorker, *, served_model_name: str) 
                 nonlocal started
                 delta = DeltaMessage(content=text or None, role=None if started else "assistant")
                 started = True
-                return ChatCompletionChunk(id=rid, model=served_model_name, choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason)])
+                return ChatCompletionChunk(
+                    id=rid, model=served_model_name, choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason)]
+                )
 
             usage_chunk = lambda usage: ChatCompletionChunk(id=rid, model=served_model_name, choices=[], usage=usage)  # noqa: E731
-            events = front.stream(ticket, request, include_usage=body.include_usage, chunk=chunk, usage_chunk=usage_chunk)
+            events = front.stream(
+                ticket, request, include_usage=body.include_usage, chunk=chunk, usage_chunk=usage_chunk
+            )
             return StreamingResponse(events, media_type="text/event-stream")
         result = await front.collect(ticket, request)
         if result is None:
             return Response(status_code=499)
         text, tokens, reason = result
         choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=reason)
-        response = ChatCompletionResponse(id=rid, model=served_model_name, choices=[choice], usage=Usage.of(len(prompt_ids), tokens))
+        response = ChatCompletionResponse(
+            id=rid, model=served_model_name, choices=[choice], usage=Usage.of(len(prompt_ids), tokens)
+        )
         return JSONResponse(response.model_dump())
 
     return app

@@ -32,7 +32,12 @@ class ServeError(QSpecError):
 
 
 def model_not_found(name: str, served: str) -> ServeError:
-    return ServeError(f"model {name!r} does not exist; this server serves {served!r}", status=404, code="model_not_found", param="model")
+    return ServeError(
+        f"model {name!r} does not exist; this server serves {served!r}",
+        status=404,
+        code="model_not_found",
+        param="model",
+    )
 
 
 def queue_full(waiting: int) -> ServeError:
@@ -59,7 +64,9 @@ def error_response(exc: Exception) -> JSONResponse:
         log.exception("internal error", exc_info=exc)
         status, code, param = 500, "internal_error", None
     message = str(exc) if status != 500 else f"internal error: {type(exc).__name__}: {exc}"
-    body = ErrorResponse(error=ErrorInfo(message=message, type=ERROR_TYPES.get(status, "invalid_request_error"), param=param, code=code))
+    body = ErrorResponse(
+        error=ErrorInfo(message=message, type=ERROR_TYPES.get(status, "invalid_request_error"), param=param, code=code)
+    )
     return JSONResponse(body.model_dump(), status_code=status)
 
 

@@ -154,7 +154,9 @@ async def run_clients(url: str, prompts: list[str], options: LoadOptions) -> tup
             async with gate:
                 return await _one(client, url, i, prompts[i], options.max_tokens)
 
-        records = await asyncio.wait_for(asyncio.gather(*(arrive(i) for i in range(len(prompts)))), options.time_limit_s)
+        records = await asyncio.wait_for(
+            asyncio.gather(*(arrive(i) for i in range(len(prompts)))), options.time_limit_s
+        )
         return list(records), time.perf_counter() - start
 
 
@@ -167,7 +169,9 @@ def _start_server(package: Path, method: str, port: int, *, max_waiting: int, sp
     cmd = [sys.executable, "-m", "qspec", "serve", str(package), "--port", str(port), "--method", method,
            "--served-model-name", SERVED_NAME, "--max-waiting", str(max_waiting), "--log-level", "warning",
            "--spinning" if spinning else "--no-spinning"]  # fmt: skip
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    return subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "HF_HUB_OFFLINE": "1"}
+    )
 
 
 def _wait_healthy(proc: subprocess.Popen, url: str, timeout: float = 300) -> None:
@@ -198,7 +202,9 @@ def _scrape(url: str) -> dict[str, float]:
     return samples
 
 
-def run_method(package: Path, method: str, prompts: list[str], options: LoadOptions) -> tuple[list[RequestRecord], float, dict]:
+def run_method(
+    package: Path, method: str, prompts: list[str], options: LoadOptions
+) -> tuple[list[RequestRecord], float, dict]:
     """Start a server with ``method``, run the clients, scrape /metrics, stop the server (SIGTERM)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -227,7 +233,9 @@ def reference_texts(package: Path, prompts: list[str], max_tokens: int, *, spinn
     return [o.text for o in engine.generate(prompts, SamplingParams(max_new_tokens=max_tokens), chat=True)]
 
 
-def summarize(method: str, records: list[RequestRecord], wall: float, metrics: dict, reference: list[str] | None) -> LoadReport:
+def summarize(
+    method: str, records: list[RequestRecord], wall: float, metrics: dict, reference: list[str] | None
+) -> LoadReport:
     ok = [r for r in records if r.error is None]
     itl = [gap for r in ok for gap in r.itl_s]
     tpot = [(r.latency_s - r.ttft_s) / (r.completion_tokens - 1) for r in ok if r.completion_tokens > 1]
@@ -250,17 +258,25 @@ def summarize(method: str, records: list[RequestRecord], wall: float, metrics: d
         tpot_ms_p50=_percentile(tpot, 50),
         acceptance_rate=round(accepted / draft_tokens, 4) if draft_tokens else None,
         mean_acceptance_length=round(1 + accepted / drafts, 3) if drafts else None,
-        decode_calls={k.removeprefix("qspec:decode_calls_total"): v for k, v in metrics.items() if k.startswith("qspec:decode_calls_total")},
+        decode_calls={
+            k.removeprefix("qspec:decode_calls_total"): v
+            for k, v in metrics.items()
+            if k.startswith("qspec:decode_calls_total")
+        },
     )
 
 
-def run_load(package: str | Path, methods: list[str], options: LoadOptions, *, verify: bool = True, progress=None) -> list[LoadReport]:
+def run_load(
+    package: str | Path, methods: list[str], options: LoadOptions, *, verify: bool = True, progress=None
+) -> list[LoadReport]:
     """One bounded load run per method against a fresh ``qspec serve`` of ``package``; checked against the reference."""
     say = progress or (lambda message: None)
     package = Path(package)
     prompts = mt_bench_prompts(options.requests)
     if len(prompts) < options.requests:
-        raise ConfigError(f"--requests {options.requests}: MT-bench has {len(prompts)} questions; ask for at most that many")
+        raise ConfigError(
+            f"--requests {options.requests}: MT-bench has {len(prompts)} questions; ask for at most that many"
+        )
     runs = []
     for method in methods:
         say(f"{method}: {len(prompts)} requests, {options.concurrency} clients, {options.rate}/s Poisson arrivals")

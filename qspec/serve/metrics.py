@@ -16,8 +16,48 @@ from qspec.runtime.engine import RequestDelta
 
 FINISH_REASONS = ("stop", "length", "abort")
 # vLLM's buckets (seconds)
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
 
 
@@ -27,9 +67,13 @@ class ServeMetrics:
     def __init__(self, model_name: str, ks: Sequence[int]):
         self.registry = r = CollectorRegistry()
         m = ["model_name"]
-        self.running = Gauge("qspec:num_requests_running", "Requests in the running batch (holding a KV slot).", m, registry=r)
+        self.running = Gauge(
+            "qspec:num_requests_running", "Requests in the running batch (holding a KV slot).", m, registry=r
+        )
         self.waiting = Gauge("qspec:num_requests_waiting", "Requests waiting for a KV slot.", m, registry=r)
-        self.success = Counter("qspec:request_success", "Finished requests, by finish reason.", [*m, "finished_reason"], registry=r)
+        self.success = Counter(
+            "qspec:request_success", "Finished requests, by finish reason.", [*m, "finished_reason"], registry=r
+        )
         self.prompt_tokens = Counter("qspec:prompt_tokens", "Prefilled prompt tokens.", m, registry=r)
         self.generation_tokens = Counter("qspec:generation_tokens", "Generated tokens.", m, registry=r)
         self.ttft = Histogram(
@@ -42,12 +86,21 @@ class ServeMetrics:
             buckets=ITL_BUCKETS,
             registry=r,
         )
-        self.e2e = Histogram("qspec:e2e_request_latency_seconds", "Arrival to the last token.", m, buckets=E2E_BUCKETS, registry=r)
-        self.num_drafts = Counter("qspec:spec_decode_num_drafts", "Verify calls of a request with drafts.", m, registry=r)
+        self.e2e = Histogram(
+            "qspec:e2e_request_latency_seconds", "Arrival to the last token.", m, buckets=E2E_BUCKETS, registry=r
+        )
+        self.num_drafts = Counter(
+            "qspec:spec_decode_num_drafts", "Verify calls of a request with drafts.", m, registry=r
+        )
         self.num_draft_tokens = Counter("qspec:spec_decode_num_draft_tokens", "Draft tokens verified.", m, registry=r)
-        self.num_accepted_tokens = Counter("qspec:spec_decode_num_accepted_tokens", "Draft tokens accepted.", m, registry=r)
+        self.num_accepted_tokens = Counter(
+            "qspec:spec_decode_num_accepted_tokens", "Draft tokens accepted.", m, registry=r
+        )
         self.accepted_per_pos = Counter(
-            "qspec:spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by draft position.", [*m, "position"], registry=r
+            "qspec:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted draft tokens by draft position.",
+            [*m, "position"],
+            registry=r,
         )
         self.decode_calls = Counter("qspec:decode_calls", "Target decode calls, by compiled K.", [*m, "k"], registry=r)
         self.prefill_calls = Counter("qspec:prefill_calls", "Target prefill calls.", m, registry=r)
@@ -95,6 +148,10 @@ class ServeMetrics:
         for key, total in calls.items():
             new = total - self._calls_seen.get(key, 0)
             if new:
-                counter = self.prefill_calls.labels(self.name) if key == "prefill" else self.decode_calls.labels(self.name, str(key))
+                counter = (
+                    self.prefill_calls.labels(self.name)
+                    if key == "prefill"
+                    else self.decode_calls.labels(self.name, str(key))
+                )
                 counter.inc(new)
         self._calls_seen = dict(calls)

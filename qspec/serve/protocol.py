@@ -180,7 +180,11 @@ class Usage(BaseModel):
 
     @classmethod
     def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
-        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
 
 
 class CompletionChoice(BaseModel):

@@ -130,7 +130,9 @@ class EngineWorker:
             deltas = self.engine.step()
         except Exception as exc:  # the engine failed: fail what is in flight, keep serving
             log.exception("engine step failed")
-            self._cancel_all(ServeError(f"engine step failed: {type(exc).__name__}: {exc}", status=500, code="engine_error"))
+            self._cancel_all(
+                ServeError(f"engine step failed: {type(exc).__name__}: {exc}", status=500, code="engine_error")
+            )
             return
         now = time.perf_counter()
         for delta in deltas:

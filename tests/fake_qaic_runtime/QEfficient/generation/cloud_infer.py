@@ -86,11 +86,15 @@ class QAICInferenceSession:
     def _matching_specialization(self):
         bound = {name: list(buf.shape) for name, buf in self._buffers.items()}
         for shapes in self.allowed_shapes:
-            if all(all(isinstance(w, str) or w == b for w, b in zip(shapes[n], dims)) and len(shapes[n]) == len(dims)
-                   for n, dims in bound.items()):
+            if all(
+                all(isinstance(w, str) or w == b for w, b in zip(shapes[n], dims)) and len(shapes[n]) == len(dims)
+                for n, dims in bound.items()
+            ):
                 return shapes
         allowed = "; ".join(str({n: s[n] for n in bound}) for s in self.allowed_shapes)
-        raise ValueError(f"Failed to run: no compiled specialization matches the bound shapes {bound}; allowed: {allowed}")
+        raise ValueError(
+            f"Failed to run: no compiled specialization matches the bound shapes {bound}; allowed: {allowed}"
+        )
 
     def run(self, inputs):
         self.set_buffers(inputs)
