@@ -13,7 +13,7 @@ SERVE_PACKAGE := packages/smollm2-k0_4-fbs4
 DEMO_PROMPT := examples/code_edit.txt
 export HF_HUB_OFFLINE := 1
 
-.PHONY: install model peers demo test test-fast bench bench-full serve-package serve serve-load clean
+.PHONY: install model peers demo lint test test-fast bench bench-full serve-package serve serve-load clean
 
 install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
@@ -44,7 +44,12 @@ demo: install model
 	@echo "== no speculation =="
 	$(BIN)/qspec generate $(PACKAGE) --chat --prompt "$$(cat $(DEMO_PROMPT))" --max-new-tokens 256 --method none
 
-test: install model
+# ruff: lint and format check (configuration in pyproject.toml); `ruff format .` fixes the format.
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: install model lint
 	$(BIN)/pytest -q -p no:cacheprovider
 
 test-fast: install

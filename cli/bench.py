@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
-
 from qspec_cli.common import (
     DEFAULT_CTX_LEN,
     DEFAULT_PREFILL_SEQ_LEN,
@@ -65,7 +64,7 @@ def bench(
     dispatch: DispatchOption = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="Print the whole report as JSON on stdout.")] = False,
 ) -> None:
-    """Benchmark none / fixed K / variable K (and transformers, ONNX Runtime GenAI, llama.cpp) on a prompt set; write a report."""
+    """Benchmark none / fixed K / variable K (and transformers, ORT GenAI, llama.cpp) on a prompt set; report."""
 
     def work() -> None:
         from qspec.bench import bench_options, run_bench, write_report

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-
 from qspec_cli.common import (
     DEFAULT_CTX_LEN,
     DEFAULT_PREFILL_SEQ_LEN,
@@ -201,8 +200,8 @@ def generate(
 
     def work() -> None:
         from qspec.errors import ConfigError
-        from qspec.runtime import Engine, SamplingParams
         from qspec.prompts import read_prompt_texts
+        from qspec.runtime import Engine, SamplingParams
 
         if (prompt is None) == (prompts_file is None):
             raise ConfigError("give exactly one of --prompt TEXT or --prompts-file FILE.jsonl")

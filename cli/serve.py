@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
-
 from qspec_cli.common import DispatchOption, DraftPackageOption, console, run_guarded
 
 MethodOption = Annotated[str, typer.Option(help="Speculative method: none, pld, suffix or draft.")]
@@ -70,8 +69,9 @@ def serve(
 
     def work() -> None:
         _require_serve_extra()
-        from qspec.serve.server import ServeOptions, build, make_server
         from qspec_cli.common import status
+
+        from qspec.serve.server import ServeOptions, build, make_server
 
         options = ServeOptions.create(
             package=package,
@@ -126,9 +126,10 @@ def serve_load(
         import json
 
         _require_serve_extra()
+        from qspec_cli.common import status
+
         from qspec.errors import QSpecError
         from qspec.serve.load import LoadOptions, run_load
-        from qspec_cli.common import status
 
         options = LoadOptions.create(
             requests=requests,
@@ -149,14 +150,16 @@ def serve_load(
             print(json.dumps(dumped, indent=2))
         else:
             print(
-                f"{'method':8} {'ok':>5} {'req/s':>7} {'out tok/s':>9} {'TTFT p50/p99 ms':>17} {'ITL p50/p99 ms':>15} {'TPOT p50':>8} {'accept':>7} {'mean len':>8}"
+                f"{'method':8} {'ok':>5} {'req/s':>7} {'out tok/s':>9} {'TTFT p50/p99 ms':>17} {'ITL p50/p99 ms':>15} "
+                f"{'TPOT p50':>8} {'accept':>7} {'mean len':>8}"
             )
             for r in reports:
                 rate_text = f"{r.acceptance_rate:.0%}" if r.acceptance_rate is not None else "-"
                 length = f"{r.mean_acceptance_length:.2f}" if r.mean_acceptance_length is not None else "-"
                 print(
-                    f"{r.method:8} {r.completed:>2}/{r.requests:<2} {r.requests_per_s:7.3f} {r.output_tokens_per_s:9.1f} "
-                    f"{r.ttft_ms_p50:8.0f}/{r.ttft_ms_p99:<8.0f} {r.itl_ms_p50:7.1f}/{r.itl_ms_p99:<7.1f} {r.tpot_ms_p50:8.1f} {rate_text:>7} {length:>8}"
+                    f"{r.method:8} {r.completed:>2}/{r.requests:<2} {r.requests_per_s:7.3f} "
+                    f"{r.output_tokens_per_s:9.1f} {r.ttft_ms_p50:8.0f}/{r.ttft_ms_p99:<8.0f} "
+                    f"{r.itl_ms_p50:7.1f}/{r.itl_ms_p99:<7.1f} {r.tpot_ms_p50:8.1f} {rate_text:>7} {length:>8}"
                 )
         bad = [(r.method, r.failed, len(r.mismatched)) for r in reports if r.failed or r.mismatched]
         if bad:

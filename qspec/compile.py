@@ -12,8 +12,8 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from pydantic import Field, model_validator
 
@@ -32,8 +32,8 @@ from qspec.package import (
     ModelEntry,
     SessionCheck,
     WeightFormat,
-    dump_manifest,
     copy_file,
+    dump_manifest,
     read_manifest,
     runtime_graph_file,
     write_package_atomic,

@@ -170,7 +170,8 @@ def check_package(package: str | os.PathLike[str]) -> Manifest:
         has = "has" if manifest.model.comp_ctx_lengths else "has no"
         raise PackageError(
             f"{folder}: the graph {has} a comp_ctx_lengths input but the specializations "
-            f"{'carry' if bucketed else 'lack'} compute context lengths; {hint} with the same --comp-ctx-lengths-* options"
+            f"{'carry' if bucketed else 'lack'} compute context lengths; "
+            f"{hint} with the same --comp-ctx-lengths-* options"
         )
     return manifest
 

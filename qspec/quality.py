@@ -21,10 +21,10 @@ from pathlib import Path
 import numpy as np
 from pydantic import Field
 
-from qspec.runtime.engine import Engine
-from qspec.runtime.backend import LoadedModel
-from qspec.runtime.sampling import SamplingParams
 from qspec.common import FrozenModel
+from qspec.runtime.backend import LoadedModel
+from qspec.runtime.engine import Engine
+from qspec.runtime.sampling import SamplingParams
 
 
 class QualityReport(FrozenModel):

@@ -25,8 +25,8 @@ from qspec.bench import (
 from qspec.bench.analysis import CategoryInput
 from qspec.bench.peers import PEER_MODULES
 from qspec.bench.report import Mismatch, Overall
-from qspec.runtime.metrics import aggregate
 from qspec.errors import ConfigError
+from qspec.runtime.metrics import aggregate
 
 PROMPTS = [
     {"question_id": 1, "category": "code", "turns": ["x = 1; y = x + x; print(y) # rename x to z", "Now in C."]},

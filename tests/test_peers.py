@@ -95,7 +95,7 @@ def test_peer_request_metrics():
 
 
 def test_common_prefix_fraction():
-    """Mean over requests of common prefix / longer output: [1,2,3,4] vs [1,2,9,9] -> 0.5; equal -> 1; stop early -> 2/4."""
+    """Mean of common prefix / longer output: [1,2,3,4] vs [1,2,9,9] -> 0.5; equal -> 1; stop early -> 2/4."""
     mine = {"a": [1, 2, 3, 4], "b": [5, 6], "c": [7, 8]}
     reference = {"a": [1, 2, 9, 9], "b": [5, 6], "c": [7, 8, 9, 10]}
     comparison = compare_outputs(mine, reference)

@@ -1,4 +1,4 @@
-"""The ``qaic`` runtime backend against a stand-in QAIC session (tests/fake_qaic_runtime) that enforces the session's rules.
+"""The ``qaic`` runtime backend against a stand-in QAIC session (tests/fake_qaic_runtime) enforcing the session's rules.
 
 The stand-in runs the network on ONNX Runtime but behaves as the device does: a call runs only with
 buffers shaped like one compiled specialization, the retained-state KV stays on the "device", and a
@@ -25,7 +25,7 @@ PROMPTS = ["abcabcabcabc", "hello hello hello", "xyz"]
 
 @pytest.fixture(scope="module")
 def packages(tiny_model, tmp_path_factory):
-    """Two packages compiled for qaic by the stand-in compiler: batch 1 with K 0,4; continuous batching (3 slots) with K 0,2."""
+    """Two packages compiled for qaic by the stand-in compiler: batch 1, K 0,4; continuous batching (3 slots), K 0,2."""
     root = tmp_path_factory.mktemp("qaic-runtime")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("QAIC_COMPILE", str(TESTS / "fake_qaic" / "qaic-compile"))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 
 from qspec.compile import CompileOptions, compile_package
@@ -306,7 +305,7 @@ def test_compute_context_buckets_keep_greedy_output(model, tmp_path, reference, 
         engine = Engine(package, method=method)
         calls, run = [], engine.model.run
 
-        def spy(bound):
+        def spy(bound, calls=calls, run=run):  # bound now: this method's engine
             live = bound.position_ids[bound.position_ids >= 0]
             calls.append((bound.spec.seq_len == 8, bound.spec.comp_ctx_lengths, int(live.min()), int(live.max())))
             return run(bound)

@@ -10,6 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from qspec.errors import ConfigError
+from qspec.spec_file import read_specializations, specializations_to_json, write_specializations
 from qspec.specializations import (
     Specialization,
     SpecializationConfig,
@@ -19,7 +20,6 @@ from qspec.specializations import (
     model_speculative_length,
     parse_num_speculative_tokens,
 )
-from qspec.spec_file import read_specializations, specializations_to_json, write_specializations
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = json.loads((ROOT / "specializations" / "schema.json").read_text())
@@ -461,7 +461,7 @@ def test_golden_files_byte_for_byte(name):
 
 
 def test_golden_matches_design_example():
-    """The bs1/prefill32/ctx128/K[0,4] golden file holds the DESIGN.md example."""
+    """The bs1/prefill32/ctx128/K[0,4] golden file holds the design brief's example (flat, string values)."""
     data = json.loads((GOLDEN / "bs1_prefill32_ctx128_k0_4.json").read_text())
     assert data == {
         "specializations": [

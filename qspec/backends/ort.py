@@ -1,6 +1,6 @@
 """The embedded backend: ONNX Runtime on the CPU, one static-shape session per specialization.
 
-Facts that shape this module (measured on the 2-core machines, see DESIGN.md):
+Facts that shape this module (measured on the 2-core machines):
 
 - Each session pre-packs its own copy of every MatMul weight (≈ 0.5 GB for SmolLM2). Sharing the
   initializers (``add_initializer``) does not share those copies in the Python API, and turning

@@ -30,8 +30,8 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from qspec.errors import CompileError
 from qspec.package import ORT_ONNX_FILE, RuntimeGraph, WeightFormat

@@ -27,8 +27,8 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from qspec import contract
-from qspec.errors import CompileError, ConfigError
 from qspec.common import FrozenModel, write_text_atomic
+from qspec.errors import CompileError, ConfigError
 
 COMPILER_ENV = "QAIC_COMPILE"
 COMPILER_NAME = "qaic-compile"

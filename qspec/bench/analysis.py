@@ -19,8 +19,8 @@ from qspec.bench.report import (
     Equality,
     EqualityCheck,
     Mismatch,
-    Overall,
     OutputComparison,
+    Overall,
 )
 from qspec.bench.runners import RequestResult
 from qspec.runtime.metrics import aggregate
@@ -130,7 +130,7 @@ def summarize(collected: Collected, *, peak_rss_mb: float | None = None) -> Conf
 
 
 def with_ratios(summaries: list[ConfigSummary]) -> list[ConfigSummary]:
-    """The summaries with ``ratio_to_none`` (requests/s, overall and per category) against ``none`` at the same batch."""
+    """The summaries with ``ratio_to_none``: requests/s overall and per category against ``none`` at the same batch."""
     nones = {s.batch: s for s in summaries if s.method == "none" and s.backend == QSPEC}
     out = []
     for s in summaries:

@@ -7,8 +7,8 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from qspec.errors import ConfigError
 from qspec.common import FrozenModel
+from qspec.errors import ConfigError
 from qspec.specializations import parse_num_speculative_tokens
 
 SPECULATIVE_METHODS = ("pld", "suffix", "draft")

@@ -60,7 +60,8 @@ def _check_baselines(source: str | None) -> None:
         )
     if importlib.util.find_spec("transformers") is None or importlib.util.find_spec("torch") is None:
         raise ConfigError(
-            "the transformers baselines need torch and transformers (pip install 'qspec[export]'); or pass --no-baselines"
+            "the transformers baselines need torch and transformers (pip install 'qspec[export]'); "
+            "or pass --no-baselines"
         )
 
 

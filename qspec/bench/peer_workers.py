@@ -73,7 +73,7 @@ def ort_genai_overlay(threads: int, eos_token_ids: list[int]) -> str:
 
 
 def ort_genai_main(conn, folder: str, threads: int, eos_token_ids: list[int], ctx_len: int, lookup: dict) -> None:
-    """Child: an ONNX Runtime GenAI model; variant ``greedy``, or ``lookup`` with ``set_speculative_options(**lookup)``."""
+    """Child: an ONNX Runtime GenAI model; variant ``greedy``, or ``lookup``: ``set_speculative_options(**lookup)``."""
     state: dict[str, Any] = {}
     eos = set(eos_token_ids)
 

@@ -212,7 +212,10 @@ def _ort_genai_reason(source: str | None) -> str | None:
     if source.endswith(".gguf"):
         missing = [m for m in CONVERTER_MODULES if not installed(m)]
         if missing:
-            return f"writing the GGUF as a Hugging Face folder for its builder needs {', '.join(missing)} (pip install 'qspec[export]')"
+            needs = ", ".join(missing)
+            return (
+                f"writing the GGUF as a Hugging Face folder for its builder needs {needs} (pip install 'qspec[export]')"
+            )
     return None
 
 

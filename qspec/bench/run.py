@@ -20,9 +20,9 @@ from qspec.bench.memory import run_memory
 from qspec.bench.micro import micro_benchmark
 from qspec.bench.options import BenchOptions, quick_options
 from qspec.bench.packages import Packages, ResolvedModel, compile_packages, resolve_model
-from qspec.bench.plan import TRANSFORMERS, Progress, RunConfig, Steps, plan_configs, rotated, rounds
 from qspec.bench.peer_models import PeerUnavailable
 from qspec.bench.peers import PeerPlan, plan_peers
+from qspec.bench.plan import TRANSFORMERS, Progress, RunConfig, Steps, plan_configs, rotated, rounds
 from qspec.bench.report import BenchReport, MachineInfo, MemoryReport, Meta, MicroReport, RunnerInfo, Skipped
 from qspec.bench.runners import QspecRunner, Runner, TransformersRunner
 from qspec.bench.targets import evaluate_targets

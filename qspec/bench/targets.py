@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from qspec.bench.analysis import ratio
-from qspec.bench.plan import HF_GREEDY, HF_LOOKUP, HF_LOOKUP_TOKENS, QSPEC
 from qspec.bench.peers import LLAMA_CPP, ORT_GENAI
+from qspec.bench.plan import HF_GREEDY, HF_LOOKUP, HF_LOOKUP_TOKENS, QSPEC
 from qspec.bench.report import ConfigSummary, MemoryReport, MicroReport, Target
 
 TARGET_CATEGORY_FLOOR = 0.98  # variable K / none on every category, batch 1

@@ -14,23 +14,22 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
-import json
 import logging
 import os
 import shutil
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from qspec import __version__, contract
 from qspec.errors import ConfigError, QSpecError
-from qspec.package import ONNX_FILE, TOKENIZER_DIR, ModelInfo
 from qspec.export.loader import ModelSource, load_model, resolve_source, source_digest
 from qspec.export.wrapper import adapter_for
+from qspec.package import ONNX_FILE, TOKENIZER_DIR, ModelInfo
 
 EXPORT_META = "export.json"
 OPSET = 18

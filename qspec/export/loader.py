@@ -66,9 +66,7 @@ def source_digest(source: ModelSource) -> str:
 def load_model(source: ModelSource):
     """Load ``(model, tokenizer)`` in fp32, eval mode. Errors say what to fix; nothing is downloaded offline."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     from qspec.export.wrapper import adapter_for

@@ -15,8 +15,8 @@ What differs between architectures lives in a small :class:`Adapter`; adding a f
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn

@@ -1,4 +1,4 @@
-"""The runtime: speculative decoding on a compiled package with ONNX Runtime (no torch needed).
+"""The runtime: speculative decoding on a compiled package (no torch needed), on ONNX Runtime or a QAIC device.
 
 >>> from qspec.runtime import Engine, SamplingParams
 >>> engine = Engine("packages/SmolLM2-135M-Instruct.Q4_1-k0_4", method="pld")

@@ -143,8 +143,9 @@ class DraftProposer(Proposer):
         :meth:`check_target`). ``num_draft_tokens`` caps the drafts of a step (default: what the
         engine asks). ``draft_confidence_threshold`` (0 = off): a draft whose top probability is
         below it is dropped and ends the request's drafting for the step. ``prefill_min_tokens``:
-        a backlog this long is fed with the prefill shape. ``num_threads`` sizes ONNX Runtime's
-        process-wide thread pool only if no model was loaded before.
+        a backlog this long is fed with the prefill shape. ``num_threads``: threads of the draft
+        session's own pool (default: every core); with ``spinning`` off (the default) an idle draft
+        never steals the target's cores.
         """
         if num_draft_tokens is not None and num_draft_tokens < 0:
             raise ConfigError(f"num_draft_tokens {num_draft_tokens} must be >= 0")

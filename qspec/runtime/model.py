@@ -1,4 +1,4 @@
-"""The ``ort`` runtime backend: a compiled package in ONNX Runtime, KV buffers resident, one IO binding per specialization.
+"""The ``ort`` runtime backend: a package in ONNX Runtime, KV buffers resident, one IO binding per specialization.
 
 :class:`CompiledModel` implements :class:`~qspec.runtime.backend.LoadedModel` (the interface the
 engine uses, whatever the backend).
@@ -10,15 +10,15 @@ scatter) and nothing is copied between calls. The small inputs (token ids, posit
 and the logits are numpy arrays wrapped, not copied, by OrtValues bound once: a call writes the
 inputs in place and reads the logits in place.
 
-Session modes (see ``qspec.backends.ort`` and the closing notes for the measurements):
+Session modes (see ``qspec.backends.ort`` for the measurements):
 
 - ``shared`` (default): one session for the whole package, ``ctx_len`` (and ``full_batch_size``)
   fixed, ``batch_size``/``seq_len``/``num_logits_to_keep`` taken from the bound specialization. The
   weights are loaded and pre-packed once, so five specializations cost the memory of one.
 - ``static``: one static-shape session per specialization (every dimension fixed); their thread
-  pools do not spin, so an idle session never steals the cores of the one that runs. Each session pre-packs its own weights (+≈0.5 GB each for SmolLM2); ONNX
-  Runtime's Python API has no shared pre-packed weight container, and without pre-packing a call is
-  ≈1.8× slower.
+  pools do not spin, so an idle session never steals the cores of the one that runs. Each session
+  pre-packs its own weights (+≈0.5 GB each for SmolLM2); ONNX Runtime's Python API has no shared
+  pre-packed weight container, and without pre-packing a call is ≈1.8× slower.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 import onnxruntime as ort

@@ -14,9 +14,9 @@ Each step thus emits ``num_accepted + 1`` tokens.
 from __future__ import annotations
 
 import numpy as np
+from pydantic import ConfigDict, Field
 
 from qspec.common import FrozenModel
-from pydantic import BaseModel, ConfigDict, Field
 
 # --------------------------------------------------------------------------------------------
 # Parameters
@@ -103,7 +103,7 @@ def sample_token(probs: np.ndarray, rng: np.random.Generator) -> int:
 
 
 def sample_tokens(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator | None) -> list[int]:
-    """One token per row of ``logits`` [n, vocab]: the argmax when greedy, else drawn from the processed distribution."""
+    """One token per row of ``logits`` [n, vocab]: the argmax when greedy, else drawn from the processed probs."""
     if params.greedy:
         return [int(t) for t in logits.argmax(axis=-1)]
     return [sample_token(p, rng) for p in process_logits(logits, params)]

@@ -23,9 +23,9 @@ from pathlib import Path
 import numpy as np
 from pydantic import BaseModel, Field
 
+from qspec.common import FrozenModel
 from qspec.errors import ConfigError
 from qspec.serve.server import free_port
-from qspec.common import FrozenModel
 
 SERVED_NAME = "load"
 

@@ -112,8 +112,17 @@ class ServeMetrics:
             self.accepted_per_pos.labels(model_name, str(pos))
         for k in ks:
             self.decode_calls.labels(model_name, str(k))
-        for metric in (self.running, self.waiting, self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e,
-                       self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, self.prefill_calls):  # fmt: skip
+        per_model = (
+            self.running,
+            self.waiting,
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.ttft,
+            self.itl,
+            self.e2e,
+        )
+        per_model += (self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, self.prefill_calls)
+        for metric in per_model:
             metric.labels(model_name)
 
     def render(self) -> bytes:

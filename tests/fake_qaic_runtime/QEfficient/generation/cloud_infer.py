@@ -1,7 +1,8 @@
 """Stand-in for QEfficient's ``QAICInferenceSession`` (tests only): the session's rules, ONNX Runtime's math.
 
 It runs the network the stand-in ``qaic-compile`` recorded in ``<qpc>/fake_qaic_argv.json`` (paths
-relative to the package holding the QPC, as the real QPC carries its network) and enforces what the real session (over the SDK's ``qaicrt``) enforces:
+relative to the package holding the QPC, as the real QPC carries its network) and enforces what the
+real session (over the SDK's ``qaicrt``) enforces:
 
 - a call runs only with buffers whose shapes are those of one compiled specialization (the device
   picks the specialization from them); anything else fails, listing the allowed shapes;
