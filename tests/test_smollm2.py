@@ -156,7 +156,7 @@ def test_compile_cli_end_to_end(tmp_path):
     assert result.returncode == 0, result.stderr
     specs = json.loads((out / "specializations.json").read_text())["specializations"]
     assert specs == [
-        {"batch_size": "1", "seq_len": "32", "ctx_len": "256", "num_logits_to_keep": "1"},
+        {"batch_size": "1", "seq_len": "64", "ctx_len": "256", "num_logits_to_keep": "1"},  # the CLI's prefill chunk
         {"batch_size": "1", "seq_len": "1", "ctx_len": "256", "num_logits_to_keep": "1"},
         {"batch_size": "1", "seq_len": "5", "ctx_len": "256", "num_logits_to_keep": "5"},
     ]
