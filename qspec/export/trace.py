@@ -73,7 +73,6 @@ class Piece:
     """One traced piece as an ONNX function: activations first, then one parameter per weight."""
 
     function: object  # onnx_ir.Function
-    activations: list[str]
     weights: list[torch.Tensor]  # the traced module's tensors, in parameter order
 
 
@@ -259,7 +258,7 @@ def _cut(graph, spec: PieceSpec, weights: dict[str, torch.Tensor]) -> Piece:
                 node.replace_input_with(i, params[value.name])
     body = ir.Graph(activations + list(params.values()), outputs, nodes=nodes, opset_imports=dict(graph.opset_imports))
     function = ir.Function(DOMAIN, spec.name, graph=body, attributes=[])
-    return Piece(function, [v.name for v in activations], [weights[name] for name in params])
+    return Piece(function, [weights[name] for name in params])
 
 
 def representative_layers(lm: nn.Module) -> list[int]:

@@ -130,7 +130,7 @@ class KVExplicitLM(nn.Module):
     # each piece once (one layer per distinct layer signature) and chains the traced graphs.
 
     def prologue(self, input_ids: torch.Tensor, position_ids: torch.Tensor):
-        """Embeddings and what every layer shares: ``hidden, cos, sin, query_pos, slots, valid``."""
+        """Embeddings and what every layer shares: ``hidden, cos, sin, query_pos, anchor, valid``."""
         seq = input_ids.shape[1]
         valid = position_ids >= 0  # [batch, seq]
         steps = torch.arange(seq, dtype=torch.int64)
