@@ -75,6 +75,8 @@ class RuntimeGraph(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     file: str = ORT_ONNX_FILE
+    # Its external data: fp32 graphs read the vendor graph's model.onnx.data (weights stored once).
+    data_file: str = ORT_ONNX_FILE + ".data"
     weight_format: WeightFormat
     fusions: dict[str, int] = Field(default_factory=dict)
     quantized_matmuls: int = 0
@@ -153,7 +155,10 @@ def check_package(package: str | os.PathLike[str]) -> Manifest:
     folder = Path(package)
     manifest = read_manifest(folder)
     hint = f"run `qspec compile` to rebuild {folder}"
-    for name in (ONNX_FILE, runtime_graph_file(manifest), SPECIALIZATIONS_FILE, f"{TOKENIZER_DIR}/tokenizer.json"):
+    files = [ONNX_FILE, runtime_graph_file(manifest), SPECIALIZATIONS_FILE, f"{TOKENIZER_DIR}/tokenizer.json"]
+    if manifest.runtime_graph is not None:
+        files.append(manifest.runtime_graph.data_file)
+    for name in files:
         if not (folder / name).is_file():
             raise PackageError(f"package {folder} is missing {name}; {hint}")
     onnx_size = (folder / ONNX_FILE).stat().st_size

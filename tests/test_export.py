@@ -6,6 +6,7 @@ optimized fp32 graph (``model.ort.onnx``): both must hold the contract within th
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import onnxruntime as ort
@@ -32,7 +33,10 @@ def graph_path(folder, meta, graph: str = "vendor"):
     from qspec.backends.ort_optimize import cached_runtime_graph
 
     graph_dir, runtime = cached_runtime_graph(folder, meta.key, "fp32")
-    return graph_dir / runtime.file
+    assert runtime.data_file == ONNX_FILE + ".data"  # it reads the export's weights: put it beside them
+    target = folder / runtime.file
+    shutil.copyfile(graph_dir / runtime.file, target)
+    return target
 
 
 class Graph:
@@ -252,15 +256,28 @@ def test_missing_model_and_offline_hub_errors(tmp_path):
 
 
 def test_tied_lm_head_is_stored_once(exported):
-    """A tied LM head shares the embedding's initializer; an untied one has its own."""
+    """A tied LM head shares the embedding's initializer; an untied one has its own, stored [hidden, vocab]."""
     import onnx
 
-    for tie, heads in ((True, 1), (False, 2)):
+    for tie, heads in ((True, [[320, 64]]), (False, [[320, 64], [64, 320]])):
         _, folder, meta = exported("llama", tie=tie)
         proto = onnx.load(str(folder / ONNX_FILE), load_external_data=False)
-        vocab_by_hidden = [i.name for i in proto.graph.initializer if list(i.dims) == [320, 64]]
-        assert len(vocab_by_hidden) == heads, vocab_by_hidden
+        tables = sorted(list(i.dims) for i in proto.graph.initializer if sorted(i.dims) == [64, 320])
+        assert tables == sorted(heads)
         assert set(meta.phase_seconds) == {"load", "trace", "optimize", "compose", "save", "check"}
+
+
+def test_matmul_weights_are_stored_input_major(exported):
+    """Every projection weight is a MatMul's [in, out] initializer: no weight is transposed at load time."""
+    import onnx
+
+    _, folder, _ = exported("llama", tie=False)
+    graph = onnx.load(str(folder / ONNX_FILE), load_external_data=False).graph
+    weights = {tensor.name for tensor in graph.initializer}
+    matmul_weights = [node.input[1] for node in graph.node if node.op_type == "MatMul" and node.input[1] in weights]
+    assert len(matmul_weights) == 2 * 7 + 1  # two layers of 7 projections, and the LM head
+    transposed = [node.input[0] for node in graph.node if node.op_type == "Transpose" and node.input[0] in weights]
+    assert transposed == []
 
 
 def test_layers_of_different_signatures_keep_parity(tmp_path):

@@ -110,6 +110,19 @@ def test_fp32_runtime_graph_is_fused_and_keeps_the_contract(packages):
     assert io(package / ORT_ONNX_FILE) == io(package / ONNX_FILE)
 
 
+def test_fp32_runtime_graph_reads_the_vendor_graphs_weights(packages):
+    """fp32 stores its weights once: every external initializer of model.ort.onnx points into model.onnx.data."""
+    package = packages["fp32"]["0,4"]
+    assert read_manifest(package).runtime_graph.data_file == ONNX_FILE + ".data"
+    assert not (package / (ORT_ONNX_FILE + ".data")).exists()
+    proto = onnx.load(str(package / ORT_ONNX_FILE), load_external_data=False)
+    places = {
+        entry.value for tensor in proto.graph.initializer for entry in tensor.external_data if entry.key == "location"
+    }
+    assert places == {ONNX_FILE + ".data"}
+    assert sorted(path.name for path in package.glob("*.data")) == [ONNX_FILE + ".data"]
+
+
 def test_weight_format_is_part_of_the_package_key(model, packages, tmp_path):
     """Compiling another format into an existing package rebuilds it; the same format reuses it."""
     folder = tmp_path / "pkg"

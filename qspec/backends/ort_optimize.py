@@ -1,22 +1,29 @@
 """The embedded backend's own graph: fused, optionally weight-quantized, optimized by ONNX Runtime.
 
 The vendor graph ``model.onnx`` is the contract and stays as exported (the ``qaic`` backend compiles
-it). For ONNX Runtime the ``ort`` backend writes ``model.ort.onnx`` (+ ``.data``) beside it, made
-by kept tools only, in this order:
+it). For ONNX Runtime the ``ort`` backend writes ``model.ort.onnx`` beside it, made by kept tools
+only, in this order:
 
 1. **fuse** (``onnxscript.rewriter.ort_fusions``): RMSNorm -> ``SimplifiedLayerNormalization`` and
    residual Add + RMSNorm -> ``SkipSimplifiedLayerNormalization``. ONNX Runtime's own RMSNorm
    fusion expects ``Sqrt -> Div`` and never matches the dynamo exporter's ``Reciprocal(Sqrt)``.
    Attention is not fused: the contract's position-driven KV write, free rejected drafts and
    harmless padding rows are not what ``GroupQueryAttention``'s own KV handling does.
+
+``fp32`` stops here: the fused graph reads its weights from the vendor graph's ``model.onnx.data``
+(same names, same offsets), so a package holds its weights once, and the session-level
+optimizations (constant folding, SiLU, MatMul + scale, ...) are ONNX Runtime's own at load time
+(``ORT_ENABLE_ALL``, the default), which a call measures the same as an offline-optimized graph.
+
 2. **materialize the tied LM head** (int8/int4 only; onnxscript's constant folder): a tied head is
    ``MatMul(x, Transpose(embedding))``, which no weight quantizer picks up; folding the Transpose
    gives the head its own ``[hidden, vocab]`` initializer. The embedding ``Gather`` keeps the fp32
    table: it reads a few rows per call, so it costs memory, not bandwidth.
 3. **quantize** (int8/int4; ``onnxruntime.quantization.matmul_nbits_quantizer``): every MatMul
    with a constant 2-D weight becomes ``MatMulNBits`` (block-wise, asymmetric, blocks along K).
-4. **optimize offline** (ONNX Runtime ``ORT_ENABLE_EXTENDED``, ``optimized_model_filepath``): the
-   session-level fusions (SiLU, MatMul + scale, ...) are done once at compile time.
+4. **optimize offline** (int8/int4; ONNX Runtime ``ORT_ENABLE_EXTENDED``,
+   ``optimized_model_filepath``): the session-level fusions are done once at compile time, and the
+   quantized weights go to the graph's own ``model.ort.onnx.data``.
 
 ``cached_runtime_graph`` keeps the result in the export cache, keyed by the export and the format.
 The result keeps the contract's inputs, outputs and symbolic dimensions; the parity tests run on it.
@@ -47,25 +54,28 @@ INT8_ACTIVATIONS = 4
 ACCURACY_LEVEL = INT8_ACTIVATIONS
 SYMMETRIC = False
 # Bump when the recipe below changes: cached runtime graphs are keyed by it.
-RECIPE_VERSION = 3
+RECIPE_VERSION = 4
 GRAPH_META = "graph.json"
 # Initializers below this size stay inside the .onnx file.
 EXTERNAL_MIN_BYTES = 1024
 
 
 def fuse(model) -> dict[str, int]:
-    """RMSNorm and skip-RMSNorm fusions on an ``onnx_ir`` model; returns the count of each."""
+    """RMSNorm and skip-RMSNorm fusions on an ``onnx_ir`` model; returns the count of each.
+
+    No constant folding first: the rules match the exported graph as it is, and folding (9 s for
+    SmolLM2, mostly weight transposes) is what ONNX Runtime does anyway when it loads the graph.
+    """
     import onnx_ir.passes.common as common_passes
     from onnxscript import optimizer
     from onnxscript.rewriter.ort_fusions import rms_normalization, skip_normalization
 
     common_passes.ShapeInferencePass()(model)  # the fusion rules check ranks and shapes
-    optimizer.optimize(model)
     counts = {
         "rms_normalization": rms_normalization.fuse_rms_normalization(model),
         "skip_rms_normalization": skip_normalization.fuse_skip_rms_normalization(model),
     }
-    optimizer.optimize(model)
+    optimizer.remove_unused_nodes(model)
     return counts
 
 
@@ -157,27 +167,29 @@ def optimize_graph(
 
     say = progress or (lambda message: None)
     begin = time.perf_counter()
-    model = ir.load(str(source))
-    ir.external_data.load_to_model(model)  # in memory: the quantizer reads weights from the proto
+    model = ir.load(str(source))  # weights stay in the source's external data until needed
+    bits = BITS.get(weight_format)
+    if bits is not None:
+        ir.external_data.load_to_model(model)  # in memory: the quantizer reads weights from the proto
     say("fusing RMSNorm and skip-RMSNorm (onnxscript)")
     contract_shapes = {value.name: value.shape for value in (*model.graph.inputs, *model.graph.outputs)}
     fusions = fuse(model)
     for value in (*model.graph.inputs, *model.graph.outputs):  # shape inference may rename symbolic dims
         value.shape = contract_shapes[value.name]
-    quantized, bits = 0, BITS.get(weight_format)
-    with tempfile.TemporaryDirectory(prefix=".optimize-", dir=target.parent) as tmp:
-        staged = Path(tmp) / "model.onnx"
-        if bits is None:
-            ir.save(model, str(staged), external_data=staged.name + ".data")
-        else:
+    quantized = 0
+    if bits is None:
+        ir.save(model, str(target))  # initializers keep pointing into the source's .data file
+    else:
+        with tempfile.TemporaryDirectory(prefix=".optimize-", dir=target.parent) as tmp:
+            staged = Path(tmp) / "model.onnx"
             fusions["materialized_weights"] = materialize_transposed_weights(model)
             say(f"quantizing MatMul weights to {weight_format} (MatMulNBits, block {block_size})")
             proto, quantized = quantize_matmuls(
                 ir.to_proto(model), bits, block_size=block_size, accuracy_level=accuracy_level, symmetric=symmetric
             )
             _save_proto(proto, staged)
-        say("optimizing the graph with ONNX Runtime (extended level)")
-        ort_offline(staged, target)
+            say("optimizing the graph with ONNX Runtime (extended level)")
+            ort_offline(staged, target)
     return RuntimeGraph(
         file=target.name,
         weight_format=weight_format,
@@ -185,6 +197,7 @@ def optimize_graph(
         quantized_matmuls=quantized,
         block_size=block_size if bits else None,
         accuracy_level=accuracy_level if bits else None,
+        data_file=source.name + ".data" if bits is None else target.name + ".data",
         weight_bytes=streamed_weight_bytes(target),
         min_seq_len=2 if bits and accuracy_level == INT8_ACTIVATIONS else 1,
         seconds=round(time.perf_counter() - begin, 2),
@@ -194,7 +207,10 @@ def optimize_graph(
 def cached_runtime_graph(
     export_dir: Path, export_key: str, weight_format: WeightFormat, *, progress: Progress | None = None
 ) -> tuple[Path, RuntimeGraph]:
-    """The runtime graph of an export (folder holding ``model.ort.onnx`` + ``.data``), built once."""
+    """The runtime graph of an export (folder holding ``model.ort.onnx``, and its ``.data`` unless fp32), built once.
+
+    An fp32 graph has no data of its own: it is valid beside the export's ``model.onnx.data``, as in a package.
+    """
     from qspec.export.exporter import ONNX_FILE, cache_root
 
     settings = f"{export_key}|{weight_format}|{BLOCK_SIZE}|{ACCURACY_LEVEL}|{RECIPE_VERSION}|{_versions()}"

@@ -34,7 +34,7 @@ from qspec.package import ONNX_FILE, TOKENIZER_DIR, ModelInfo
 EXPORT_META = "export.json"
 OPSET = 18
 # Bump when the exporter writes a different graph for the same model and options: old exports are stale.
-EXPORT_FORMAT = 2
+EXPORT_FORMAT = 3
 
 Progress = Callable[[str], None]
 
@@ -218,8 +218,9 @@ def trace_to_onnx(model, path: Path, options: ExportOptions, info: ModelInfo, sa
     import torch
 
     from qspec.export import trace
-    from qspec.export.wrapper import KVExplicitLM
+    from qspec.export.wrapper import KVExplicitLM, hold_weights_input_major
 
+    hold_weights_input_major(model)  # the graph stores MatMul weights [in, out]: nothing to transpose at load
     wrapper = KVExplicitLM(
         model,
         continuous_batching=options.continuous_batching,

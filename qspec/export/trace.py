@@ -294,7 +294,8 @@ def compose(lm: nn.Module, pieces: dict[str, Piece], options):
         key = id(tensor)
         if key not in initializers:
             name = names.get(key, fallback)
-            data = ir.tensor_adapters.TorchTensor(tensor.detach().contiguous(), name=name)
+            # No copy here: a transposed view is made contiguous one tensor at a time, as it is written.
+            data = ir.tensor_adapters.TorchTensor(tensor.detach(), name=name)
             initializers[key] = ir.Value(name=name, shape=data.shape, type=ir.TensorType(data.dtype), const_value=data)
         return initializers[key]
 

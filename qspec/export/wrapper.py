@@ -78,6 +78,43 @@ def adapter_for(config) -> Adapter:
     return ADAPTERS[model_type]
 
 
+class InputMajorLinear(nn.Module):
+    """``nn.Linear`` with its weight held ``[in, out]``: it traces to ``MatMul(x, W)`` with no Transpose.
+
+    The weight is a transposed *view* of the linear's own (no copy); the graph stores it in the
+    layout its MatMul reads, as the vendor compiler and ONNX Runtime want it, so neither folds
+    a transpose of every weight (ONNX Runtime did so at every session load, and its optimized
+    graph held a second copy of the weights). Same computation, same parameter name.
+    """
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.weight = nn.Parameter(linear.weight.detach().t(), requires_grad=False)  # [in, out]
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.matmul(x, self.weight)
+        return y if self.bias is None else y + self.bias
+
+
+def hold_weights_input_major(model: nn.Module) -> int:
+    """Swap every ``nn.Linear`` of ``model`` whose weight no other module shares (a tied LM head keeps
+    its embedding's table) for an :class:`InputMajorLinear`; returns how many were swapped."""
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        for tensor in module.parameters(recurse=False):
+            owners[id(tensor)] = owners.get(id(tensor), 0) + 1
+    swaps = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.Linear and owners[id(child.weight)] == 1
+    ]
+    for parent, name, child in swaps:
+        setattr(parent, name, InputMajorLinear(child))
+    return len(swaps)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
