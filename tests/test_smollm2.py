@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -81,7 +82,8 @@ def compiled(tmp_path_factory):
             made[key] = compile_package(smollm2_path(), options, output=folder)[0]
         return made[key]
 
-    return make
+    yield make
+    shutil.rmtree(root, ignore_errors=True)  # ~0.5 GB per package: free the disk for the modules after this one
 
 
 @pytest.mark.parametrize("graph_kind", ["vendor", "ort"])
