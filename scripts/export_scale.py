@@ -63,18 +63,22 @@ def build(folder: Path, args) -> None:
     os.replace(tmp, folder)
 
 
-def reference(folder: Path, out: Path) -> None:
+def prompt_ids(vocab: int) -> list[int]:
+    return [i % vocab for i in PROMPT_IDS]
+
+
+def reference(folder: Path, out: Path, ids: list[int]) -> None:
     import numpy as np
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():
-        logits = model(torch.tensor([PROMPT_IDS])).logits[0, -1].numpy()
+        logits = model(torch.tensor([ids])).logits[0, -1].numpy()
     np.save(out, logits)
 
 
-def onnx_logits(package: Path, out: Path) -> None:
+def onnx_logits(package: Path, out: Path, ids: list[int]) -> None:
     """The vendor graph (model.onnx) on ONNX Runtime: one prefill call of the prompt, KV buffers of CTX_LEN."""
     import numpy as np
     import onnxruntime as ort
@@ -86,8 +90,8 @@ def onnx_logits(package: Path, out: Path) -> None:
     session = ort.InferenceSession(str(package / ONNX_FILE), providers=["CPUExecutionProvider"])
     shape = (1, info.num_kv_heads, CTX_LEN, info.head_dim)
     feeds = {name: np.zeros(shape, np.float32) for name in contract.kv_names(info.num_layers)}
-    feeds[contract.INPUT_IDS] = np.array([PROMPT_IDS], np.int64)
-    feeds[contract.POSITION_IDS] = np.arange(len(PROMPT_IDS), dtype=np.int64)[None]
+    feeds[contract.INPUT_IDS] = np.array([ids], np.int64)
+    feeds[contract.POSITION_IDS] = np.arange(len(ids), dtype=np.int64)[None]
     if info.speculative:
         feeds[contract.NUM_LOGITS_TO_KEEP] = np.zeros((1, 1), np.int64)
     np.save(out, session.run([contract.LOGITS], feeds)[0][0, -1])
@@ -125,9 +129,9 @@ def main() -> None:
     if args.step == "build":
         return build(folder, args)
     if args.step == "reference":
-        return reference(folder, work / "reference.npy")
+        return reference(folder, work / "reference.npy", prompt_ids(args.vocab))
     if args.step == "onnx":
-        return onnx_logits(package, work / "onnx.npy")
+        return onnx_logits(package, work / "onnx.npy", prompt_ids(args.vocab))
 
     import numpy as np
 
@@ -145,7 +149,7 @@ def main() -> None:
     qspec = [str(Path(sys.executable).with_name("qspec"))]
     report["compile"] = run_step(
         "compile (cold export)",
-        [*qspec, "compile", str(folder), "-k", "0,4", "--ctx-len", str(CTX_LEN), "--output", str(package)],
+        [*qspec, "compile", str(folder), "-k", "0,4", "--ctx-len", str(CTX_LEN), "--output", str(package), "--force"],
         env,
         work / "compile.log",
     )
@@ -154,15 +158,17 @@ def main() -> None:
     report["export"] = {"seconds": export.get("export_seconds"), "phases": export.get("phase_seconds")}
     data = sum(p.stat().st_size for p in package.glob("*.data"))
     report["package_data_gb"] = round(data / 1e9, 2)
-    report["reference"] = run_step("reference (PyTorch)", [*me, "--step", "reference"], env, work / "reference.log")
-    report["onnx"] = run_step("onnx (ONNX Runtime)", [*me, "--step", "onnx"], env, work / "onnx.log")
+    report["reference"] = run_step(
+        "reference (PyTorch)", [*me, *shape, "--step", "reference"], env, work / "reference.log"
+    )
+    report["onnx"] = run_step("onnx (ONNX Runtime)", [*me, *shape, "--step", "onnx"], env, work / "onnx.log")
     want, got = np.load(work / "reference.npy"), np.load(work / "onnx.npy")
     report["parity"] = {
         "max_abs_diff": float(np.abs(want - got).max()),
         "logit_scale": float(np.abs(want).max()),
         "argmax_equal": bool(want.argmax() == got.argmax()),
     }
-    prompt = " ".join(f"w{i}" for i in PROMPT_IDS)
+    prompt = " ".join(f"w{i}" for i in prompt_ids(args.vocab))
     tokens = {}
     for method in ("pld", "none"):
         out = work / f"generate-{method}.json"
