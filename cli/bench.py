@@ -62,6 +62,13 @@ def bench(
     ] = None,
     packages_dir: Annotated[Optional[Path], typer.Option(help="Where compiled packages are cached.")] = None,
     dispatch: DispatchOption = "auto",
+    weight_formats: Annotated[
+        Optional[str],
+        typer.Option(
+            help="Weight formats of qspec's packages, e.g. fp32,int4 (quick default; --full: fp32,int8,int4). "
+            "fp32 always runs; the others run none and variable K at batch 1."
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the whole report as JSON on stdout.")] = False,
 ) -> None:
     """Benchmark none / fixed K / variable K (and transformers, ORT GenAI, llama.cpp) on a prompt set; report."""
@@ -91,6 +98,7 @@ def bench(
             comp_ctx_lengths_prefill=comp_ctx_lengths_prefill,
             comp_ctx_lengths_decode=comp_ctx_lengths_decode,
             dispatch=dispatch,
+            weight_formats=weight_formats,
         )
         report = _run_with_progress(model, options, run_bench)
         paths = write_report(report, output)

@@ -14,6 +14,7 @@ from qspec.bench import (
     category_rates,
     compare_outputs,
     contention_notes,
+    full_options,
     load_prompts,
     plan_configs,
     quick_options,
@@ -45,7 +46,7 @@ def prompts_file(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def bench_run(tiny_model, prompts_file, tmp_path_factory):
-    """One small run through the CLI: batch 1 and 2, pld with [4] and [0,4], both turns."""
+    """One small run through the CLI: batch 1 and 2, pld with [4] and [0,4], both turns, fp32 and int4."""
     from qspec_cli.main import app
 
     out = tmp_path_factory.mktemp("bench-out")
@@ -82,6 +83,8 @@ def bench_run(tiny_model, prompts_file, tmp_path_factory):
         "32",
         "--comp-ctx-lengths-decode",
         "32,64",
+        "--weight-formats",
+        "int4",  # fp32 comes first on its own
     ]
     with pytest.MonkeyPatch.context() as patch:  # the peers as where they are not installed (CI), whatever is here
         for peer in PEER_MODULES:
@@ -99,6 +102,11 @@ def test_report_files_and_configs(bench_run):
     for batch in (1, 2):
         assert {f"none@{batch}", f"pld[4]@{batch}", f"pld[0,4]@{batch}"} <= keys
     assert {"transformers@1", "transformers-pld[4]@1"} <= keys
+    assert report.meta.options.weight_formats == ("fp32", "int4")
+    # int4: none and the variable K list, batch 1 only.
+    assert sorted(k for k in keys if "int4" in k) == ["none-int4@1", "pld[0,4]-int4@1"]
+    assert {s.weight_format for s in report.configs if s.backend == "qspec"} == {"fp32", "int4"}
+    assert set(report.meta.packages) == {"1", "2", "int4@1"}
     none = report.config("none@1")
     assert none.overall.requests == 8  # 4 prompts x 2 turns
     assert set(none.per_category) == {"chat", "code"}
@@ -107,6 +115,7 @@ def test_report_files_and_configs(bench_run):
         "## Targets",
         "## Per configuration",
         "## Per category, batch 1",
+        "## Weight formats (batch 1)",
         "## One call per specialization",
         "## Memory",
     ):
@@ -130,6 +139,14 @@ def test_speculative_outputs_equal_none(bench_run):
     assert report.equality.speculative_equal_none is True
     assert "is **equal** to `none`'s" in (out / "report.md").read_text()
     assert "outputs equal to none's" in stdout
+    checks = {c.config: c for c in report.equality.checks}
+    int4 = checks["pld[0,4]-int4@1"]  # against none of its own package, and equal
+    assert (int4.reference, int4.kind, int4.equal) == ("none-int4@1", "speculative", int4.total)
+    assert int4.total == 8
+    fmt = checks["none-int4@1"]  # against fp32 none: agreement, reported, not a gate
+    assert (fmt.reference, fmt.kind, fmt.total) == ("none@1", "format", 8)
+    assert 0 <= fmt.mean_common_prefix <= 1
+    assert report.config("pld[0,4]-int4@1").overall.ratio_to_none is not None
 
 
 def test_report_has_targets_micro_and_memory(bench_run):
@@ -137,7 +154,16 @@ def test_report_has_targets_micro_and_memory(bench_run):
     _, report, _ = bench_run
     assert all(t.status in ("PASS", "MISS", "n/a") for t in report.targets)
     assert any("peak RSS" in t.target and t.status != "n/a" for t in report.targets)
-    calls = report.micro.packages[0].calls
+    fp32, fp32_b2, int4 = report.micro.packages
+    assert (fp32.weight_format, fp32_b2.weight_format, int4.weight_format) == ("fp32", "fp32", "int4")
+    assert (int4.batch, int4.package) == (1, report.meta.packages["int4@1"])
+    # Each package against its own format's floor: packed 4-bit weights stream fewer bytes than fp32.
+    assert int4.weight_bytes < fp32.weight_bytes / 2 and int4.floor_ms <= fp32.floor_ms
+    assert [c.specialization for c in int4.calls] == [c.specialization for c in fp32.calls]
+    int4_floor_ms = int4.weight_bytes / (report.micro.copy_bandwidth_gb_s * 1e9) * 1000  # floor_ms is rounded
+    call = max(int4.calls, key=lambda c: c.median_ms)
+    assert call.ratio_to_floor == pytest.approx(call.median_ms / int4_floor_ms, rel=0.2)
+    calls = fp32.calls
     assert [c.specialization for c in calls] == [  # every K in every bucket (128 = ctx_len is always one)
         "prefill@32",
         "prefill@128",
@@ -152,6 +178,8 @@ def test_report_has_targets_micro_and_memory(bench_run):
     probe = report.memory.probes["pld[0,4]@1"]
     assert probe.peak_rss_mb >= probe.rss_loaded_mb > 0
     assert report.memory.ratio > 0
+    assert report.memory.many_config == "pld[0,4]@1"  # the fp32 K=0 package's comparison stays fp32
+    assert report.memory.probes["pld[0,4]-int4@1"].peak_rss_mb > 0
     assert all(0 <= share <= 1 for s in report.configs for share in s.round_other_cpu)
 
 
@@ -216,7 +244,7 @@ def test_rounds_and_rotation():
 
 
 def test_plan_and_prompts(prompts_file):
-    """Quick preset: none plus method x K list per batch size, then the two baselines; prompts per category."""
+    """Quick preset: fp32 none plus method x K list per batch size, int4 none and variable K at batch 1, baselines."""
     configs = plan_configs(quick_options(methods="pld", k_lists="4;0,4"))
     assert [c.key for c in configs] == [
         "none@1",
@@ -225,9 +253,12 @@ def test_plan_and_prompts(prompts_file):
         "none@4",
         "pld[4]@4",
         "pld[0,4]@4",
+        "none-int4@1",
+        "pld[0,4]-int4@1",
         "transformers@1",
         "transformers-pld[4]@1",
     ]
+    assert [c.weight_format for c in configs[:8]] == ["fp32"] * 6 + ["int4"] * 2
     assert [p.id for p in load_prompts(prompts_file, per_category=1)] == ["1", "3"]
 
 
@@ -239,6 +270,8 @@ def test_plan_and_prompts(prompts_file):
         ({"k_lists": "4;a"}, "not an integer"),
         ({"methods": "draft"}, "draft_package"),
         ({"turns": 3}, "turns"),
+        ({"weight_formats": "fp32,int3"}, "int3"),
+        ({"weight_formats": ["fp16"]}, "choose from fp32, int8, int4"),
     ],
 )
 def test_bad_options(overrides, message):
@@ -268,6 +301,34 @@ def test_options_from_flags(tmp_path):
     assert bench_options(full=True).batch_sizes == (1, 2, 4, 8)
     assert "draft" in bench_options(draft_package=tmp_path).methods
     assert bench_options(draft_package=tmp_path, methods="pld,draft").methods == ("pld", "draft")
+    assert bench_options(weight_formats="int8").weight_formats == ("fp32", "int8")
+
+
+def test_weight_formats_parse_with_fp32_first():
+    """fp32 is always there and first (the other formats' reference); duplicates and blanks go; presets differ."""
+    assert quick_options().weight_formats == ("fp32", "int4")
+    assert full_options().weight_formats == ("fp32", "int8", "int4")
+    assert BenchOptions.create(weight_formats="int4, fp32,int4,").weight_formats == ("fp32", "int4")
+    assert BenchOptions.create(weight_formats=("int8",)).weight_formats == ("fp32", "int8")
+    assert BenchOptions.create(weight_formats="fp32").weight_formats == ("fp32",)
+
+
+def test_plan_quantized_formats_run_batch_1_variable_k_only():
+    """int8 and int4 get none and every method's variable K lists at batch 1; fp32 keeps the whole grid."""
+    options = full_options(methods="pld,suffix", k_lists="4;0,4;0,1,2,4,8")
+    configs = [c for c in plan_configs(options) if not c.baseline]
+    quantized = [c for c in configs if c.weight_format != "fp32"]
+    assert {c.batch for c in quantized} == {1}
+    assert [c.key for c in quantized if c.weight_format == "int8"] == [
+        "none-int8@1",
+        "pld[0,4]-int8@1",
+        "pld[0,1,2,4,8]-int8@1",
+        "suffix[0,4]-int8@1",
+        "suffix[0,1,2,4,8]-int8@1",
+    ]
+    assert len([c for c in quantized if c.weight_format == "int4"]) == 5
+    assert len([c for c in configs if c.weight_format == "fp32"]) == 4 * (1 + 2 * 3)  # 4 batch sizes
+    assert len({c.key for c in configs}) == len(configs)  # every key names one configuration
 
 
 def test_micro_targets_against_the_floor_and_the_small_bucket():
@@ -281,7 +342,7 @@ def test_micro_targets_against_the_floor_and_the_small_bucket():
     calls = [call("K=0@256", 21.0), call("K=4@256", 24.0), call("K=0@1024", 22.0), call("K=4@1024", 32.0)]
     package = MicroPackage(batch=1, package="p", weight_bytes=1, floor_ms=20.0, iterations=1, calls=calls)
     targets = {t.target: t for t in _micro_targets(MicroReport(copy_bandwidth_gb_s=1.0, packages=[package]))}
-    assert targets["K=0 call / weight-streaming floor (batch 1)"].status == "PASS"  # 22 / 20 = 1.10
-    assert targets["K=4 call / weight-streaming floor (batch 1)"].status == "MISS"  # 32 / 20 = 1.60
-    assert targets["K=4 call, bucket 256 / bucket 1024, positions < 256"].measured.startswith("0.75 x")
+    assert targets["K=0 call / weight-streaming floor (fp32, batch 1)"].status == "PASS"  # 22 / 20 = 1.10
+    assert targets["K=4 call / weight-streaming floor (fp32, batch 1)"].status == "MISS"  # 32 / 20 = 1.60
+    assert targets["K=4 call, bucket 256 / bucket 1024, positions < 256 (fp32)"].measured.startswith("0.75 x")
     assert _micro_targets(None) == []

@@ -2,7 +2,8 @@
 
 Rates: a configuration's requests/s and tokens/s are over the summed wall time of its rounds. Per
 category, requests/s is ``requests / Σ request latency``: the throughput at batch 1, a per-stream
-rate at batch B. "Ratio" is always against ``none`` at the same batch size.
+rate at batch B. "Ratio" is always against qspec ``none`` of the same weight format at the same batch
+size (a baseline's: against the primary format's ``none``).
 """
 
 from __future__ import annotations
@@ -126,15 +127,21 @@ def summarize(collected: Collected, *, peak_rss_mb: float | None = None) -> Conf
         per_category=category_rates(rows),
         round_walls_s=[round(w, 3) for w in collected.walls],
         round_other_cpu=collected.other_cpu,
+        weight_format=None if config.baseline else config.weight_format,
     )
 
 
 def with_ratios(summaries: list[ConfigSummary]) -> list[ConfigSummary]:
-    """The summaries with ``ratio_to_none``: requests/s overall and per category against ``none`` at the same batch."""
-    nones = {s.batch: s for s in summaries if s.method == "none" and s.backend == QSPEC}
+    """The summaries with ``ratio_to_none``: requests/s overall and per category against ``none``.
+
+    A qspec configuration's ``none`` is of its weight format at its batch size; a baseline's, the
+    primary format's (the first qspec summary's) at its batch size.
+    """
+    nones = {(s.weight_format, s.batch): s for s in summaries if s.method == "none" and s.backend == QSPEC}
+    primary = next((s.weight_format for s in summaries if s.backend == QSPEC), None)
     out = []
     for s in summaries:
-        none = nones.get(s.batch)
+        none = nones.get((s.weight_format if s.backend == QSPEC else primary, s.batch))
         if none is None:
             out.append(s)
             continue
@@ -150,27 +157,38 @@ def with_ratios(summaries: list[ConfigSummary]) -> list[ConfigSummary]:
     return out
 
 
-def equality_checks(collected: dict[str, Collected]) -> Equality:
-    """Greedy tokens of every configuration against ``none`` at its batch size (baselines: at batch 1).
+def _reference(config: RunConfig, nones: dict[tuple[str, int], str], first_none: str) -> tuple[str, str] | None:
+    """(reference key, kind) of a configuration's equality check; None for the run's first ``none``."""
+    if config.baseline:
+        return first_none, "baseline"
+    if config.method != "none":
+        return nones[config.weight_format, config.batch], "speculative"
+    own = nones[config.weight_format, min(b for f, b in nones if f == config.weight_format)]
+    if own != config.key:
+        return own, "batch"  # none@B against none@1 of its format
+    return (first_none, "format") if own != first_none else None
 
-    ``speculative_equal_none`` is the headline: every speculative configuration reproduced
-    ``none`` token for token. Batch B against batch 1 and the baselines against qspec are reported
-    too; float sums in another order may flip a near-tie there, so they are information, not a gate.
+
+def equality_checks(collected: dict[str, Collected]) -> Equality:
+    """Greedy tokens of every configuration against ``none`` of its weight format at its batch size.
+
+    ``speculative_equal_none`` is the headline: every speculative configuration reproduced ``none``
+    of the same package token for token (greedy equality holds per package; quantized weights change
+    the logits, so it does not hold across formats). Also reported, as information, not a gate:
+    ``none`` at batch B against batch 1, each other format's ``none`` against the first one's (fp32),
+    and the baselines against qspec's first ``none``: float sums in another order may flip a near-tie.
     """
     tokens = {key: c.tokens() for key, c in collected.items()}
-    nones = {c.config.batch: key for key, c in collected.items() if c.config.method == "none" and not c.config.baseline}
-    first_none = nones[min(nones)]
+    qspec_nones = [c.config for c in collected.values() if c.config.method == "none" and not c.config.baseline]
+    nones = {(c.weight_format, c.batch): c.key for c in qspec_nones}
+    first_none = qspec_nones[0].key  # the plan puts the primary format's none at its smallest batch first
     checks = []
     for key, c in collected.items():
-        if c.config.method == "none" and not c.config.baseline:
-            if key != first_none:
-                comparison = compare_outputs(tokens[key], tokens[first_none])
-                checks.append(EqualityCheck(config=key, reference=first_none, kind="batch", **dict(comparison)))
+        reference = _reference(c.config, nones, first_none)
+        if reference is None:
             continue
-        reference = first_none if c.config.baseline else nones[c.config.batch]
-        kind = "baseline" if c.config.baseline else "speculative"
-        comparison = compare_outputs(tokens[key], tokens[reference])
-        checks.append(EqualityCheck(config=key, reference=reference, kind=kind, **dict(comparison)))
+        comparison = compare_outputs(tokens[key], tokens[reference[0]])
+        checks.append(EqualityCheck(config=key, reference=reference[0], kind=reference[1], **dict(comparison)))
     return Equality(
         speculative_equal_none=all(c.equal == c.total for c in checks if c.kind == "speculative"),
         all_equal=all(c.equal == c.total for c in checks),

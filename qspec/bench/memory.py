@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from qspec.bench.analysis import ratio
-from qspec.bench.plan import RunConfig, Steps
+from qspec.bench.plan import RunConfig, Steps, none_config
 from qspec.bench.report import MemoryProbe, MemoryReport
 from qspec.bench.runners import engine_knobs
 from qspec.bench.workers import Worker
@@ -35,14 +35,19 @@ def _probe(
 
 
 def memory_ratio(configs: list[RunConfig], probes: dict[str, MemoryProbe]) -> dict:
-    """Peak RSS of the batch-1 engine that runs the most specializations against the K=0 package."""
+    """Peak RSS of the batch-1 engine that runs the most specializations against the K=0 package.
+
+    Both of the primary weight format (the K=0 package's): only the number of specializations differs.
+    """
     one = probes.get(ONE_SPEC_KEY)
-    candidates = [c for c in configs if c.batch == 1 and not c.baseline and c.key in probes]
+    qspec = [c for c in configs if not c.baseline]
+    primary = qspec[0].weight_format if qspec else None
+    candidates = [c for c in qspec if c.batch == 1 and c.weight_format == primary and c.key in probes]
     if one is None or not candidates:
         return {}
     many = max(candidates, key=lambda c: (len(c.ks), c.method != "none"))
     peak = probes[many.key].peak_rss_mb
-    none = probes.get("none@1")
+    none = probes.get(none_config(primary, 1).key)
     return {
         "one_peak_mb": one.peak_rss_mb,
         "many_peak_mb": peak,
@@ -55,7 +60,7 @@ def memory_ratio(configs: list[RunConfig], probes: dict[str, MemoryProbe]) -> di
 
 def run_memory(
     configs: list[RunConfig],
-    packages: dict[int, Path],
+    packages: dict[tuple[str, int], Path],  # (weight format, max batch size) -> package
     one_spec_package: Path | None,
     prompt_ids: list[list[int]],
     *,
@@ -66,13 +71,14 @@ def run_memory(
 ) -> MemoryReport:
     """One probe process per qspec configuration (and for ``none`` on the K=0 package)."""
     max_new = min(max_new_tokens, PROBE_MAX_NEW_TOKENS)
+    primary = next(iter(packages))[0]
     jobs = [
-        (c.key, packages[c.batch], c, engine_knobs(c.method, draft_package), prompt_ids[: c.batch])
+        (c.key, packages[c.weight_format, c.batch], c, engine_knobs(c.method, draft_package), prompt_ids[: c.batch])
         for c in configs
         if not c.baseline
     ]
     if one_spec_package is not None:
-        jobs.append((ONE_SPEC_KEY, one_spec_package, RunConfig("none", (0,), 1), {}, prompt_ids[:1]))
+        jobs.append((ONE_SPEC_KEY, one_spec_package, none_config(primary, 1), {}, prompt_ids[:1]))
     probes = {}
     for key, package, config, knobs, prompts in jobs:
         steps.say(f"memory: {key} in its own process")

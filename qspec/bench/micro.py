@@ -1,6 +1,8 @@
 """The micro-benchmark: one call per specialization of a loaded package, against the bandwidth floor.
 
 The floor of one call is ``weight bytes / copy bandwidth``: every call streams all the weights once.
+The weight bytes are the package's own (``manifest.runtime_graph.weight_bytes``): an int4 package's
+floor is its packed 4-bit weights, scales and zero points, not fp32's.
 """
 
 from __future__ import annotations
@@ -46,8 +48,10 @@ def _every_shape(model):
         yield from ((f"K={k}{at(c)}", model.decode_for(k, c or model.ctx_len)) for k in model.ks)
 
 
-def micro_benchmark(model, iterations: int, bandwidth: float, *, batch: int) -> MicroPackage:
-    """One row per specialization of ``model`` (a loaded CompiledModel): median ms and the ratio to the floor."""
+def micro_benchmark(
+    model, iterations: int, bandwidth: float, *, batch: int, weight_format: str = "fp32"
+) -> MicroPackage:
+    """One row per specialization of ``model`` (a loaded CompiledModel): median ms and the ratio to its floor."""
     weight_bytes = model.weight_bytes()
     floor_ms = weight_bytes / bandwidth * 1000
     calls = []
@@ -64,6 +68,7 @@ def micro_benchmark(model, iterations: int, bandwidth: float, *, batch: int) -> 
         )
     return MicroPackage(
         batch=batch,
+        weight_format=weight_format,
         package=str(model.package),
         weight_bytes=weight_bytes,
         floor_ms=round(floor_ms, 2),

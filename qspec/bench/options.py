@@ -9,9 +9,11 @@ from pydantic import Field, field_validator, model_validator
 
 from qspec.common import FrozenModel
 from qspec.errors import ConfigError
+from qspec.package import WeightFormat
 from qspec.specializations import parse_num_speculative_tokens
 
 SPECULATIVE_METHODS = ("pld", "suffix", "draft")
+WEIGHT_FORMATS = ("fp32", "int8", "int4")  # qspec compile --weight-format
 
 
 def _int_list(value: Any, what: str) -> tuple[int, ...]:
@@ -50,6 +52,8 @@ class BenchOptions(FrozenModel):
     num_threads: int | None = Field(default=None, ge=1)
     packages_dir: Path | None = None  # None: <qspec cache>/bench-packages
     dispatch: Literal["auto", "cover", "cost"] = "auto"  # how speculative configurations pick K
+    # One package set per format; fp32 first and always (quantized formats: batch 1, none and variable K).
+    weight_formats: tuple[WeightFormat, ...] = ("fp32", "int4")
 
     @field_validator("batch_sizes", mode="before")
     @classmethod
@@ -68,6 +72,15 @@ class BenchOptions(FrozenModel):
         if unknown:
             raise ValueError(f"methods {unknown}: choose from none, {', '.join(SPECULATIVE_METHODS)}")
         return tuple(dict.fromkeys(names))
+
+    @field_validator("weight_formats", mode="before")
+    @classmethod
+    def _parse_weight_formats(cls, value: Any) -> tuple[str, ...]:
+        names = [f.strip() for f in value.split(",")] if isinstance(value, str) else list(value)
+        unknown = sorted({f for f in names if f} - set(WEIGHT_FORMATS))
+        if unknown:
+            raise ValueError(f"weight_formats {unknown}: choose from {', '.join(WEIGHT_FORMATS)}, such as fp32,int4")
+        return tuple(dict.fromkeys(["fp32", *(f for f in names if f)]))  # fp32 first: the reference of the others
 
     @field_validator("k_lists", mode="before")
     @classmethod
@@ -93,19 +106,29 @@ class BenchOptions(FrozenModel):
         return self
 
     @property
+    def primary_format(self) -> WeightFormat:
+        """The format that runs at every batch size and every K list (fp32, or a given package's own)."""
+        return self.weight_formats[0]
+
+    @property
     def all_ks(self) -> tuple[int, ...]:
         """Every K a package must hold: the union of the K lists, plus 0 for ``none``."""
         return tuple(sorted({0, *(k for ks in self.k_lists for k in ks)}))
 
 
 def quick_options(**overrides: Any) -> BenchOptions:
-    """The < 20 minute version on a 2-core machine: 2 prompts per category, 128 tokens, batch 1 and 4."""
+    """The < 25 minute version on a 2-core machine: 2 prompts per category, 128 tokens, batch 1 and 4, fp32 and int4."""
     return BenchOptions.create(**overrides)
 
 
 def full_options(**overrides: Any) -> BenchOptions:
-    """Every prompt, batch sizes 1, 2, 4, 8, 50 calls per specialization in the micro-benchmark."""
-    preset = {"per_category": None, "batch_sizes": (1, 2, 4, 8), "micro_iterations": 50}
+    """Every prompt, batch sizes 1, 2, 4, 8, fp32, int8 and int4, 50 calls per specialization in the micro-benchmark."""
+    preset = {
+        "per_category": None,
+        "batch_sizes": (1, 2, 4, 8),
+        "micro_iterations": 50,
+        "weight_formats": WEIGHT_FORMATS,
+    }
     return BenchOptions.create(**(preset | overrides))
 
 

@@ -17,7 +17,7 @@ class ResolvedModel:
     """What ``qspec bench MODEL`` stands for once MODEL is looked at."""
 
     options: BenchOptions  # narrowed to a given package's batch size and K lists
-    given: dict[int, Path] | None  # batch size -> package, when MODEL is a compiled package
+    given: tuple[str, int, Path] | None  # (weight format, batch size, package) when MODEL is a compiled package
     source: str | None  # the model the baselines load (None: not at hand)
     draft_slots: int | None  # KV slots of the draft package
     notes: tuple[str, ...]
@@ -45,9 +45,14 @@ def _given_package(given: Path, options: BenchOptions) -> tuple[BenchOptions, in
         raise ConfigError(f"none of the K lists {list(options.k_lists)} is compiled in {given} (it has {sorted(have)})")
     notes = []
     dropped = [ks for ks in options.k_lists if ks not in k_lists]
-    if dropped or options.batch_sizes != (rows,):
-        notes.append(f"a package was given: batch size {rows} only, K lists {[list(k) for k in k_lists]}")
-    options = options.model_copy(update={"batch_sizes": (rows,), "k_lists": k_lists})
+    formats = (manifest.weight_format,)
+    if dropped or options.batch_sizes != (rows,) or options.weight_formats != formats:
+        notes.append(
+            f"a package was given: batch size {rows} only, K lists {[list(k) for k in k_lists]}, "
+            f"weight format {manifest.weight_format} only"
+        )
+    # model_copy skips validation: a given package's format is the run's only one, fp32 or not.
+    options = options.model_copy(update={"batch_sizes": (rows,), "k_lists": k_lists, "weight_formats": formats})
     source = manifest.model.source if Path(manifest.model.source).exists() else None
     return options, rows, source, notes
 
@@ -85,7 +90,7 @@ def resolve_model(model: str, options: BenchOptions) -> ResolvedModel:
     packages = None
     if given.is_dir() and _is_package(given):
         options, rows, source, notes = _given_package(given, options)
-        packages = {rows: given}
+        packages = (options.primary_format, rows, given)
     else:
         from qspec.export.loader import resolve_source
 
@@ -97,16 +102,19 @@ def resolve_model(model: str, options: BenchOptions) -> ResolvedModel:
     return ResolvedModel(options, packages, source, draft_slots, tuple(notes + draft_notes))
 
 
-def package_name(model: str, batch: int, ks: Sequence[int], options: BenchOptions) -> str:
-    """``smollm2-b1-k0_4-ctx1024-p32``: what a bench package is cached as."""
+def package_name(model: str, batch: int, ks: Sequence[int], options: BenchOptions, weight_format: str = "fp32") -> str:
+    """``smollm2-b1-k0_4-ctx1024-p32``, ``smollm2-int4-b1-...``: what a bench package is cached as."""
     stem = Path(str(model).rstrip("/")).name.removesuffix(".gguf")
-    name = f"{stem}-b{batch}-k{'_'.join(map(str, ks))}-ctx{options.ctx_len}-p{options.prefill_seq_len}"
+    weights = f"-{weight_format}" if weight_format != "fp32" else ""
+    name = f"{stem}{weights}-b{batch}-k{'_'.join(map(str, ks))}-ctx{options.ctx_len}-p{options.prefill_seq_len}"
     for tag, buckets in (("cp", options.comp_ctx_lengths_prefill), ("cd", options.comp_ctx_lengths_decode)):
         name += f"-{tag}{buckets.replace(',', '_')}" if buckets else ""
     return name
 
 
-def compile_for(model: str, batch: int, ks: Sequence[int], options: BenchOptions, root: Path) -> Path:
+def compile_for(
+    model: str, batch: int, ks: Sequence[int], options: BenchOptions, root: Path, weight_format: str = "fp32"
+) -> Path:
     """A package for ``batch`` with ``ks`` (continuous batching above batch 1), reused when unchanged."""
     from qspec.compile import CompileOptions, compile_package
     from qspec.specializations import make_config
@@ -119,33 +127,56 @@ def compile_for(model: str, batch: int, ks: Sequence[int], options: BenchOptions
         comp_ctx_lengths_prefill=options.comp_ctx_lengths_prefill or None,
         comp_ctx_lengths_decode=options.comp_ctx_lengths_decode or None,
     )
-    output = root / package_name(model, batch, ks, options)
-    folder, _, _ = compile_package(model, CompileOptions.create(specialization=spec), output=output)
+    output = root / package_name(model, batch, ks, options, weight_format)
+    compile_options = CompileOptions.create(specialization=spec, weight_format=weight_format)
+    folder, _, _ = compile_package(model, compile_options, output=output)
     return folder
 
 
 @dataclass(frozen=True)
 class Packages:
-    by_batch: dict[int, Path]  # every K of every K list (plus 0), one per max batch size
+    """The packages a run loads: one per (weight format, max batch size), each with every K (plus 0)."""
+
+    by_format: dict[str, dict[int, Path]]  # weight format -> max batch size -> package; primary format first
     one_spec: Path | None  # K=0 only, for the memory comparison (None: memory off, or a package was given)
+
+    @property
+    def flat(self) -> dict[tuple[str, int], Path]:
+        """(weight format, max batch size) -> package, in the order they were compiled."""
+        return {(f, b): path for f, by_batch in self.by_format.items() for b, path in by_batch.items()}
+
+    def labels(self) -> dict[str, str]:
+        """For the report: ``1``, ``4`` (primary format) and ``int4@1`` (another format) -> package folder."""
+        primary = next(iter(self.by_format), None)
+        return {(str(b) if f == primary else f"{f}@{b}"): str(p) for (f, b), p in self.flat.items()}
+
+
+def package_count(options: BenchOptions) -> int:
+    """Packages :func:`compile_packages` compiles: every batch size of the primary format, batch 1 of the others."""
+    return len(options.batch_sizes) + len(options.weight_formats) - 1
 
 
 def compile_packages(model: str, resolved: ResolvedModel, steps: Steps) -> Packages:
-    """One package per batch size (or the one given), plus the K=0 package when memory is measured."""
+    """One package per batch size, one batch-1 package per other weight format (or the one given),
+    plus the K=0 package when memory is measured."""
     if resolved.given is not None:
-        return Packages(dict(resolved.given), None)
+        weight_format, batch, given = resolved.given
+        return Packages({weight_format: {batch: given}}, None)
     from qspec.export.exporter import cache_root
 
     options = resolved.options
     root = options.packages_dir or cache_root() / "bench-packages"
-    by_batch = {}
-    for batch in options.batch_sizes:
-        steps.say(f"compiling the batch {batch} package (K {list(options.all_ks)})")
-        by_batch[batch] = compile_for(model, batch, options.all_ks, options, root)
-        steps.step(f"package for batch {batch} ready")
+    primary, *others = options.weight_formats
+    wanted = [(primary, b) for b in options.batch_sizes] + [(f, 1) for f in others]
+    by_format: dict[str, dict[int, Path]] = {}
+    for weight_format, batch in wanted:
+        steps.say(f"compiling the {weight_format} batch {batch} package (K {list(options.all_ks)})")
+        path = compile_for(model, batch, options.all_ks, options, root, weight_format)
+        by_format.setdefault(weight_format, {})[batch] = path
+        steps.step(f"{weight_format} package for batch {batch} ready")
     one_spec = None
     if options.memory:
         steps.say("compiling the 1-specialization package for the memory comparison")
-        one_spec = compile_for(model, 1, (0,), options, root)
+        one_spec = compile_for(model, 1, (0,), options, root, primary)
         steps.step("1-specialization package ready")
-    return Packages(by_batch, one_spec)
+    return Packages(by_format, one_spec)

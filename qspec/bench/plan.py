@@ -20,23 +20,28 @@ class RunConfig:
 
     ``backend`` is ``qspec`` for the engine's configurations; a baseline (transformers, a peer
     runtime) names its own and runs through its own :class:`~qspec.bench.runners.Runner`.
+    ``weight_format`` is the qspec package's (a baseline's says nothing: its name does).
     """
 
     method: str  # none, pld, suffix, draft; a baseline's own name (transformers, transformers-pld)
     ks: tuple[int, ...]
     batch: int
     backend: str = QSPEC
+    weight_format: str = "fp32"
 
     @property
     def name(self) -> str:
-        """``none``, ``pld[0,4]``, ``transformers``, ``transformers-pld[4]``: the line in the plot."""
-        if self.method == "none" or not self.ks:
-            return self.method
-        return f"{self.method}[{','.join(map(str, self.ks))}]"
+        """``none``, ``pld[0,4]``, ``pld[0,4]-int4``, ``transformers-pld[4]``: the line in the plot.
+
+        fp32 keeps the bare name (the reports before weight formats); another format is a suffix,
+        as in the peers' ``ort-genai-int4``.
+        """
+        name = self.method if self.method == "none" or not self.ks else f"{self.method}[{','.join(map(str, self.ks))}]"
+        return name if self.baseline or self.weight_format == "fp32" else f"{name}-{self.weight_format}"
 
     @property
     def key(self) -> str:
-        """``pld[0,4]@1``: name and max batch size."""
+        """``pld[0,4]@1``, ``none-int4@1``: name and max batch size."""
         return f"{self.name}@{self.batch}"
 
     @property
@@ -56,16 +61,30 @@ def transformers_configs() -> list[RunConfig]:
     ]
 
 
-def plan_configs(options: BenchOptions, *, draft_slots: int | None = None) -> list[RunConfig]:
-    """Every configuration of the run: per batch size ``none`` and method x K list; then the baselines.
+def none_config(weight_format: str, batch: int) -> RunConfig:
+    """qspec ``none`` of one weight format at one max batch size: the reference of its speculative configurations."""
+    return RunConfig("none", (0,), batch, QSPEC, weight_format)
 
-    ``draft_slots``: KV slots of the draft package; ``draft`` runs only at batch sizes it can hold.
+
+def plan_configs(options: BenchOptions, *, draft_slots: int | None = None) -> list[RunConfig]:
+    """Every configuration of the run: the primary format's, the other formats', then the baselines.
+
+    The primary format (fp32) runs ``none`` and method x K list at every batch size. Every other
+    weight format runs ``none`` and each method with the variable K lists only, at batch 1 only:
+    what the issue compares against the peers (batch 1, greedy and speculation) with a quick run
+    kept under ~25 minutes on 2 cores (each format adds a compile, a micro-benchmark and its
+    rounds). ``draft_slots``: KV slots of the draft package; ``draft`` runs only at batch sizes it can hold.
     """
     configs = []
+    primary, *others = options.weight_formats
     for batch in options.batch_sizes:
-        configs.append(RunConfig("none", (0,), batch))
+        configs.append(none_config(primary, batch))
         methods = [m for m in options.methods if m != "draft" or draft_slots is None or batch <= draft_slots]
-        configs += [RunConfig(m, ks, batch) for m in methods for ks in options.k_lists]
+        configs += [RunConfig(m, ks, batch, QSPEC, primary) for m in methods for ks in options.k_lists]
+    variable = [ks for ks in options.k_lists if len(ks) > 1]
+    for weight_format in others:
+        configs.append(none_config(weight_format, 1))
+        configs += [RunConfig(m, ks, 1, QSPEC, weight_format) for m in options.methods for ks in variable]
     if options.baselines:
         configs += transformers_configs()
     return configs

@@ -46,8 +46,9 @@ def _header(report: BenchReport) -> list[str]:
         f"Machine: {machine.cpu}, {machine.cores} cores, {machine.memory_gb} GB; onnxruntime "
         f"{machine.onnxruntime}{versions}.",
         "Rates are over each configuration's summed `generate` wall time; the configurations ran interleaved "
-        "round by round. Ratio: requests/s against `none` at the same max batch size. TTFT at batch > 1 includes "
-        "the wait for a slot. Other CPU: the share of the machine other processes used while a configuration ran.",
+        "round by round. Ratio: requests/s against `none` of the same weight format at the same max batch size. "
+        "TTFT at batch > 1 includes the wait for a slot. Other CPU: the share of the machine other processes used "
+        "while a configuration ran.",
     ]
     return lines + [f"> Note: {note}" for note in meta.notes]
 
@@ -57,7 +58,8 @@ def _equality(report: BenchReport) -> list[str]:
     verdict = "equal" if equality.speculative_equal_none else "NOT equal"
     lines = ["", "## Greedy outputs", ""]
     lines.append(
-        f"Every speculative configuration's greedy output is **{verdict}** to `none`'s at the same batch size."
+        f"Every speculative configuration's greedy output is **{verdict}** to `none`'s at the same batch size "
+        "and weight format."
     )
     rows = [
         [
@@ -83,6 +85,7 @@ def _configs(report: BenchReport) -> list[str]:
         rows.append(
             [
                 s.key,
+                s.weight_format or "–",
                 o.requests_per_s,
                 o.output_tokens_per_s,
                 o.ttft_ms_median,
@@ -97,6 +100,7 @@ def _configs(report: BenchReport) -> list[str]:
         )
     header = [
         "config@batch",
+        "weights",
         "req/s",
         "out tok/s",
         "TTFT ms (median)",
@@ -135,15 +139,74 @@ def _micro(report: BenchReport) -> list[str]:
         "## One call per specialization",
         "",
         f"Copy bandwidth {micro.copy_bandwidth_gb_s} GB/s (numpy copy, read + write counted); "
-        "floor = weight bytes / bandwidth.",
+        "floor = the package's own weight bytes (its weight format's) / bandwidth.",
         "",
     ]
     rows = [
-        [p.batch, c.specialization, c.shape, c.tokens_per_call, c.median_ms, p.floor_ms, c.ratio_to_floor]
+        [
+            p.weight_format,
+            p.batch,
+            c.specialization,
+            c.shape,
+            c.tokens_per_call,
+            c.median_ms,
+            f"{p.floor_ms} ({p.weight_bytes / 1e6:.0f} MB)",
+            c.ratio_to_floor,
+        ]
         for p in micro.packages
         for c in p.calls
     ]
-    return lines + _table(["batch", "specialization", "shape", "tokens/call", "median ms", "floor ms", "x floor"], rows)
+    header = ["weights", "batch", "specialization", "shape", "tokens/call", "median ms", "floor ms (bytes)", "x floor"]
+    return lines + _table(header, rows)
+
+
+def _formats(report: BenchReport) -> list[str]:
+    """Each weight format at batch 1: ``none`` and its fastest variable K, against the first format's ``none``."""
+    batch1 = [s for s in report.configs if s.backend == QSPEC and s.batch == 1]
+    nones = {s.weight_format: s for s in batch1 if s.method == "none"}
+    if len(nones) < 2:
+        return []
+    primary = next(iter(nones.values()))
+    agreement = {c.config: c for c in report.equality.checks if c.kind == "format"}
+    rows = []
+    for weight_format, none in nones.items():
+        variable = [s for s in batch1 if s.weight_format == weight_format and len(s.ks) > 1]
+        best = max(variable, key=lambda s: s.overall.output_tokens_per_s, default=None)
+        check = agreement.get(none.key)
+        rows.append(
+            [
+                weight_format,
+                none.overall.output_tokens_per_s,
+                _fmt(none.overall.output_tokens_per_s / primary.overall.output_tokens_per_s, 3)
+                if primary.overall.output_tokens_per_s
+                else "–",
+                best.name if best else "–",
+                best.overall.output_tokens_per_s if best else None,
+                _fmt(best.overall.ratio_to_none, 3) if best else "–",
+                f"{check.equal}/{check.total}" if check else "–",
+                _fmt(check.mean_common_prefix, 3) if check else "–",
+            ]
+        )
+    header = [
+        "weights",
+        "none out tok/s",
+        f"x {primary.key}",
+        "fastest variable K",
+        "its out tok/s",
+        "its x none",
+        f"none equal to {primary.key}",
+        "common prefix (mean)",
+    ]
+    lines = [
+        "",
+        "## Weight formats (batch 1)",
+        "",
+        "One package per format; each format's speculative outputs are checked against its own `none` "
+        f"(greedy equality holds per package), and each `none` is compared with `{primary.key}` "
+        "(agreement, not a gate).",
+        "",
+    ]
+    return lines + _table(header, rows)
 
 
 def _memory(report: BenchReport) -> list[str]:
@@ -239,7 +302,7 @@ def _peers(report: BenchReport) -> list[str]:
 
 def render_markdown(report: BenchReport) -> str:
     """``report.md``: the tables of the report."""
-    lines = _header(report) + _equality(report) + _configs(report) + _peers(report)
+    lines = _header(report) + _equality(report) + _configs(report) + _formats(report) + _peers(report)
     for batch in report.meta.options.batch_sizes:
         lines += _categories(report, batch)
     return "\n".join(lines + _micro(report) + _memory(report)) + "\n"

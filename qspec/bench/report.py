@@ -73,6 +73,7 @@ class ConfigSummary(ReportModel):
     per_category: dict[str, CategoryRow]
     round_walls_s: list[float]
     round_other_cpu: list[float]  # other processes' CPU share during each round
+    weight_format: str | None = None  # a qspec package's: fp32, int8, int4 (a baseline's name says its own)
 
 
 class MicroCall(ReportModel):
@@ -84,9 +85,10 @@ class MicroCall(ReportModel):
 
 
 class MicroPackage(ReportModel):
-    """One call per specialization of a package, against ``weight bytes / copy bandwidth``."""
+    """One call per specialization of a package, against ``weight bytes / copy bandwidth`` of its own weights."""
 
     batch: int
+    weight_format: str = "fp32"
     package: str
     weight_bytes: int
     floor_ms: float
@@ -141,7 +143,9 @@ class OutputComparison(ReportModel):
 class EqualityCheck(OutputComparison):
     config: str
     reference: str
-    kind: Literal["batch", "baseline", "speculative"]
+    # speculative: against none of the same format and batch (must be equal); batch: none@B against
+    # none@1; format: a quantized none against fp32 none (agreement, not a gate); baseline: against none@1.
+    kind: Literal["batch", "baseline", "speculative", "format"]
 
 
 class Equality(ReportModel):
@@ -197,7 +201,7 @@ class RunnerInfo(ReportModel):
 
 class Meta(ReportModel):
     model: str
-    packages: dict[str, str]  # batch size -> package folder
+    packages: dict[str, str]  # batch size (primary weight format) or "int4@1" -> package folder
     started: str
     wall_s: float
     phases: dict[str, float]  # compile_s, load_s, ...

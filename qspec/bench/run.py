@@ -19,10 +19,10 @@ from qspec.bench.machine import CpuMeter, copy_bandwidth, cpu_name, machine_vers
 from qspec.bench.memory import run_memory
 from qspec.bench.micro import micro_benchmark
 from qspec.bench.options import BenchOptions, quick_options
-from qspec.bench.packages import Packages, ResolvedModel, compile_packages, resolve_model
+from qspec.bench.packages import Packages, ResolvedModel, compile_packages, package_count, resolve_model
 from qspec.bench.peer_models import PeerUnavailable
 from qspec.bench.peers import PeerPlan, plan_peers
-from qspec.bench.plan import TRANSFORMERS, Progress, RunConfig, Steps, plan_configs, rotated, rounds
+from qspec.bench.plan import TRANSFORMERS, Progress, RunConfig, Steps, none_config, plan_configs, rotated, rounds
 from qspec.bench.report import BenchReport, MachineInfo, MemoryReport, Meta, MicroReport, RunnerInfo, Skipped
 from qspec.bench.runners import QspecRunner, Runner, TransformersRunner
 from qspec.bench.targets import evaluate_targets
@@ -70,12 +70,13 @@ def count_units(plan: BenchPlan) -> int:
     """Units of progress of the whole run (one per package, load, round of a configuration, probe)."""
     options = plan.options
     qspec_configs = [c for c in plan.configs if not c.baseline]
-    packages = len(options.batch_sizes) + (1 if options.memory and plan.resolved.given is None else 0)
+    loaded = package_count(options) if plan.resolved.given is None else 1
+    packages = loaded + (1 if options.memory and plan.resolved.given is None else 0)
     return (
         packages
-        + len(options.batch_sizes)  # load
+        + loaded  # load
         + len({c.backend for c in plan.configs if c.baseline})  # baseline loads
-        + (len(options.batch_sizes) if options.micro_iterations else 0)
+        + (loaded if options.micro_iterations else 0)
         + round_count(plan) * len(plan.configs)
         + ((len(qspec_configs) + 1) if options.memory else 0)
         + 1  # summaries
@@ -118,15 +119,18 @@ def start_baselines(plan: BenchPlan, baselines: list[Runner], steps: Steps) -> t
 
 
 def run_micro(models: dict, iterations: int, steps: Steps) -> MicroReport | None:
-    """One call per specialization of every loaded package, against the bandwidth floor."""
+    """One call per specialization of every loaded package, against the bandwidth floor of its weight format.
+
+    ``models``: (weight format, max batch size) -> loaded model.
+    """
     if not iterations:
         return None
     bandwidth = copy_bandwidth()
     packages = []
-    for batch, model in models.items():
-        steps.say(f"micro-benchmark, batch {batch}")
-        packages.append(micro_benchmark(model, iterations, bandwidth, batch=batch))
-        steps.step(f"micro-benchmark, batch {batch} done")
+    for (weight_format, batch), model in models.items():
+        steps.say(f"micro-benchmark, {weight_format} batch {batch}")
+        packages.append(micro_benchmark(model, iterations, bandwidth, batch=batch, weight_format=weight_format))
+        steps.step(f"micro-benchmark, {weight_format} batch {batch} done")
     return MicroReport(copy_bandwidth_gb_s=round(bandwidth / 1e9, 2), packages=packages)
 
 
@@ -162,7 +166,7 @@ def run_timed(plan: BenchPlan, runners: dict[str, Runner], encode, steps: Steps)
     first = [(p.id, p.category, encode([{"role": "user", "content": p.turns[0]}])) for p in plan.prompts]
     run_phase(plan, runners, first, collected, 1, steps)
     if plan.options.turns == 2:
-        answers = collected[f"none@{plan.options.batch_sizes[0]}"].requests
+        answers = collected[none_config(plan.options.primary_format, plan.options.batch_sizes[0]).key].requests
         second = []
         for p in [p for p in plan.prompts if len(p.turns) >= 2]:
             messages = [
@@ -204,7 +208,7 @@ def _measure(plan: BenchPlan, packages: Packages, steps: Steps, laps: Laps) -> M
     """Load the runners, then micro-benchmark, timed rounds and memory probes."""
     options = plan.options
     qspec = QspecRunner(
-        packages.by_batch,
+        packages.flat,
         [c for c in plan.configs if not c.baseline],
         num_threads=options.num_threads,
         dispatch=options.dispatch,
@@ -232,7 +236,7 @@ def _measure(plan: BenchPlan, packages: Packages, steps: Steps, laps: Laps) -> M
         prompt_ids = [qspec.encode_chat([{"role": "user", "content": p.turns[0]}]) for p in plan.prompts]
         memory = run_memory(
             plan.configs,
-            packages.by_batch,
+            packages.flat,
             packages.one_spec,
             prompt_ids,
             max_new_tokens=options.max_new_tokens,
@@ -278,7 +282,7 @@ def build_report(
     notes = list(plan.resolved.notes) + contention_notes(other_cpu, {s.key: s.round_other_cpu for s in summaries})
     meta = Meta(
         model=plan.model,
-        packages={str(b): str(p) for b, p in packages.by_batch.items()},
+        packages=packages.labels(),
         started=started,
         wall_s=wall_s,
         phases=phases,

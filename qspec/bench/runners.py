@@ -73,7 +73,7 @@ def engine_knobs(method: str, draft_package: Path | None) -> dict[str, Any]:
 
 
 class QspecRunner(Runner):
-    """qspec's engine: one loaded model per batch-size package, one Engine per configuration on it.
+    """qspec's engine: one loaded model per package (weight format x batch size), one Engine per configuration on it.
 
     At batch 1 each prompt is its own ``generate`` call (TTFT without queueing); at batch B the
     round is one ``generate`` call (continuous batching: TTFT includes the wait for a slot).
@@ -83,7 +83,7 @@ class QspecRunner(Runner):
 
     def __init__(
         self,
-        packages: dict[int, Path],
+        packages: dict[tuple[str, int], Path],  # (weight format, max batch size) -> package
         configs: list[RunConfig],
         *,
         num_threads: int | None,
@@ -95,17 +95,17 @@ class QspecRunner(Runner):
         self.num_threads = num_threads
         self.dispatch = dispatch
         self.draft_package = draft_package
-        self.models: dict[int, Any] = {}  # batch -> CompiledModel
+        self.models: dict[tuple[str, int], Any] = {}  # (weight format, batch) -> CompiledModel
         self.engines: dict[str, Any] = {}  # config key -> Engine
 
     def start(self, steps: Steps) -> RunnerInfo | None:
         from qspec.runtime import Engine
         from qspec.runtime.model import CompiledModel
 
-        for batch, package in self.packages.items():
-            steps.say(f"loading the batch {batch} package")
-            model = self.models[batch] = CompiledModel(package, num_threads=self.num_threads)
-            for config in [c for c in self.configs if c.batch == batch]:
+        for (weight_format, batch), package in self.packages.items():
+            steps.say(f"loading the {weight_format} batch {batch} package")
+            model = self.models[weight_format, batch] = CompiledModel(package, num_threads=self.num_threads)
+            for config in [c for c in self.configs if (c.weight_format, c.batch) == (weight_format, batch)]:
                 # Engines on one loaded model share its weights, sessions and KV cache, one at a time.
                 self.engines[config.key] = Engine(
                     package,
@@ -115,7 +115,7 @@ class QspecRunner(Runner):
                     model=model,
                     **engine_knobs(config.method, self.draft_package),
                 )
-            steps.step(f"batch {batch} engines ready")
+            steps.step(f"{weight_format} batch {batch} engines ready")
         return None
 
     @property
