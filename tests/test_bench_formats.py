@@ -71,6 +71,28 @@ def test_a_quantized_speculative_mismatch_fails_the_headline():
     assert checks["pld[0,4]-int4@1"].mismatches[0].first_difference_at == 2
 
 
+def test_peers_are_compared_with_none_of_their_weight_format():
+    """ORT GenAI int4 against qspec none-int4; fp32 peers and llama.cpp's Q4_1 (no qspec format) against none@1."""
+    ort_fp32, ort_int4 = ort_genai_configs("fp32"), ort_genai_configs("int4")
+    llama = llama_cpp_configs("m.Q4_1.gguf")
+    same = {"a": [1, 2, 3]}
+    _, checks = _checks(
+        [
+            _collected(none_config("fp32", 1), same),
+            _collected(none_config("int4", 1), {"a": [1, 2, 9]}),
+            _collected(ort_fp32[GREEDY], same),
+            _collected(ort_int4[LOOKUP], {"a": [1, 2, 9]}),
+            _collected(llama[GREEDY], same),
+        ]
+    )
+    assert llama[GREEDY].weight_format == "q4_1" and ort_int4[LOOKUP].weight_format == "int4"
+    assert {key: (c.reference, c.kind, c.equal) for key, c in checks.items() if c.kind == "baseline"} == {
+        "ort-genai-fp32@1": ("none@1", "baseline", 1),
+        "ort-genai-int4-ngram[4]@1": ("none-int4@1", "baseline", 1),  # equal to qspec int4, not to fp32
+        "llama.cpp-q4_1@1": ("none@1", "baseline", 1),
+    }
+
+
 def _summary(config: RunConfig, tokens_per_s: float) -> ConfigSummary:
     """A summary with only what the targets read: output tokens/s (and requests/s, the same number)."""
     rates = {"output_tokens_per_s": tokens_per_s, "requests_per_s": tokens_per_s}
@@ -86,7 +108,7 @@ def _summary(config: RunConfig, tokens_per_s: float) -> ConfigSummary:
         per_category={},
         round_walls_s=[],
         round_other_cpu=[],
-        weight_format=None if config.baseline else config.weight_format,
+        weight_format=config.weight_format,
     )
 
 
@@ -133,7 +155,7 @@ def test_peer_targets_compare_greedy_per_format_and_the_fastest_variable_k():
 
 def test_greedy_target_without_qspec_int4_says_so():
     """ORT GenAI int4 ran but qspec int4 did not (--weight-formats fp32): n/a with the reason, not a crash."""
-    summaries = [s for s in _hand_made_run() if s.weight_format != "int4"]
+    summaries = [s for s in _hand_made_run() if s.backend != "qspec" or s.weight_format != "int4"]
     [target] = [t for t in evaluate_targets(summaries, None) if "(int4 both)" in t.target]
     assert (target.status, target.measured) == ("n/a", "qspec int4 not run (--weight-formats)")
     [ngram] = [t for t in evaluate_targets(summaries, None) if "n-gram" in t.target]
@@ -193,7 +215,10 @@ def _hand_made_report(summaries: list[ConfigSummary]) -> BenchReport:
         notes=[],
     )
     check = EqualityCheck(config="none-int4@1", reference="none@1", kind="format", equal=1, total=2, mismatches=[])
-    equality = Equality(speculative_equal_none=True, all_equal=False, checks=[check])
+    peer = EqualityCheck(
+        config="ort-genai-int4@1", reference="none-int4@1", kind="baseline", equal=2, total=2, mismatches=[]
+    )
+    equality = Equality(speculative_equal_none=True, all_equal=False, checks=[check, peer])
     return BenchReport(meta=meta, configs=summaries, micro=None, memory=None, equality=equality, targets=[], outputs={})
 
 
@@ -204,3 +229,7 @@ def test_markdown_shows_the_format_of_every_qspec_row():
     assert "| pld[0,4]-int4@1 | int4 |" in markdown
     assert "| none@1 | fp32 |" in markdown
     assert "| int4 | 45.00 | 2.250 | pld[0,4]-int4 | 70.00 | 1.556 | 1/2 | 1.000 |" in markdown
+    # Peers: ORT GenAI int4 against none-int4 (50 / 45 tok/s); one without a check against none@1 (37 / 20).
+    assert "| ort-genai-int4@1 | 50.00 | none-int4@1 | 1.111 |" in markdown
+    assert "| llama.cpp-q4_1@1 | 37.00 | none@1 | 1.850 |" in markdown
+    assert "| ort-genai-int4@1 | int4 |" in markdown  # the weights column: peers say theirs too

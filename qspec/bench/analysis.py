@@ -127,7 +127,7 @@ def summarize(collected: Collected, *, peak_rss_mb: float | None = None) -> Conf
         per_category=category_rates(rows),
         round_walls_s=[round(w, 3) for w in collected.walls],
         round_other_cpu=collected.other_cpu,
-        weight_format=None if config.baseline else config.weight_format,
+        weight_format=config.weight_format,
     )
 
 
@@ -159,8 +159,8 @@ def with_ratios(summaries: list[ConfigSummary]) -> list[ConfigSummary]:
 
 def _reference(config: RunConfig, nones: dict[tuple[str, int], str], first_none: str) -> tuple[str, str] | None:
     """(reference key, kind) of a configuration's equality check; None for the run's first ``none``."""
-    if config.baseline:
-        return first_none, "baseline"
+    if config.baseline:  # qspec none of its weights when qspec ran them (ORT GenAI int4: none-int4), else the first
+        return nones.get((config.weight_format, config.batch), first_none), "baseline"
     if config.method != "none":
         return nones[config.weight_format, config.batch], "speculative"
     own = nones[config.weight_format, min(b for f, b in nones if f == config.weight_format)]
@@ -176,7 +176,8 @@ def equality_checks(collected: dict[str, Collected]) -> Equality:
     of the same package token for token (greedy equality holds per package; quantized weights change
     the logits, so it does not hold across formats). Also reported, as information, not a gate:
     ``none`` at batch B against batch 1, each other format's ``none`` against the first one's (fp32),
-    and the baselines against qspec's first ``none``: float sums in another order may flip a near-tie.
+    and the baselines against qspec's ``none`` of their weight format (the first ``none`` when qspec
+    did not run that format): float sums in another order may flip a near-tie.
     """
     tokens = {key: c.tokens() for key, c in collected.items()}
     qspec_nones = [c.config for c in collected.values() if c.config.method == "none" and not c.config.baseline]

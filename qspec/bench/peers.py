@@ -121,18 +121,19 @@ def ort_genai_configs(precision: str) -> dict[str, RunConfig]:
     """``ort-genai-int4`` (greedy) and ``ort-genai-int4-ngram[4]``, batch 1, on backend ``ort-genai-int4``."""
     backend = f"{ORT_GENAI}-{precision}"
     return {
-        GREEDY: RunConfig(backend, (), 1, backend),
-        LOOKUP: RunConfig(f"{backend}-ngram", (PEER_DRAFT_TOKENS,), 1, backend),
+        GREEDY: RunConfig(backend, (), 1, backend, precision),
+        LOOKUP: RunConfig(f"{backend}-ngram", (PEER_DRAFT_TOKENS,), 1, backend, precision),
     }
 
 
 def llama_cpp_configs(gguf: str) -> dict[str, RunConfig]:
     """``llama.cpp-q4_1`` (greedy) and ``llama.cpp-q4_1-pld[4]``: the GGUF's weight format in the name."""
     stem = Path(gguf).stem
-    method = f"{LLAMA_CPP}-{stem.rsplit('.', 1)[-1].lower()}" if "." in stem else LLAMA_CPP
+    weights = stem.rsplit(".", 1)[-1].lower() if "." in stem else "gguf"
+    method = f"{LLAMA_CPP}-{weights}" if "." in stem else LLAMA_CPP
     return {
-        GREEDY: RunConfig(method, (), 1, LLAMA_CPP),
-        LOOKUP: RunConfig(f"{method}-pld", (PEER_DRAFT_TOKENS,), 1, LLAMA_CPP),
+        GREEDY: RunConfig(method, (), 1, LLAMA_CPP, weights),
+        LOOKUP: RunConfig(f"{method}-pld", (PEER_DRAFT_TOKENS,), 1, LLAMA_CPP, weights),
     }
 
 

@@ -20,7 +20,9 @@ class RunConfig:
 
     ``backend`` is ``qspec`` for the engine's configurations; a baseline (transformers, a peer
     runtime) names its own and runs through its own :class:`~qspec.bench.runners.Runner`.
-    ``weight_format`` is the qspec package's (a baseline's says nothing: its name does).
+    ``weight_format``: the weights it runs, a qspec package's format (fp32, int8, int4); a baseline's
+    own (ONNX Runtime GenAI's fp32 or int4, llama.cpp's GGUF type such as ``q4_1``), which its name
+    already says, so it only picks the qspec ``none`` a baseline is compared with.
     """
 
     method: str  # none, pld, suffix, draft; a baseline's own name (transformers, transformers-pld)

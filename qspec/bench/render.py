@@ -241,30 +241,28 @@ def _peers(report: BenchReport) -> list[str]:
     peers = [s for s in report.configs if s.backend not in (QSPEC, TRANSFORMERS)]
     lines: list[str] = []
     if peers:
-        none = report.config("none@1")
         agreement = {c.config: c for c in report.equality.checks}
         lines += [
             "",
             "## Peers (batch 1)",
             "",
-            "Same prompt token ids, token budget and EOS ids as qspec; greedy. Agreement: outputs equal to "
-            "qspec `none`'s, and the mean share of the longer output before the first difference "
-            "(exact equality is not expected across runtimes: kernels sum in other orders).",
+            "Same prompt token ids, token budget and EOS ids as qspec; greedy. Each peer is compared with qspec "
+            "`none` of its weight format where qspec ran it (ORT GenAI int4 with `none-int4`), else with "
+            "`none`: tokens/s, outputs equal to the reference's, and the mean share of the longer output before "
+            "the first difference (exact equality is not expected across runtimes: kernels sum in other orders).",
             "",
         ]
         rows = []
         for s in peers:
             o, check = s.overall, agreement.get(s.key)
-            versus = (
-                o.output_tokens_per_s / none.overall.output_tokens_per_s
-                if none and none.overall.output_tokens_per_s
-                else None
-            )
+            reference = report.config(check.reference if check else "none@1")
+            speed = reference.overall.output_tokens_per_s if reference else None
             rows.append(
                 [
                     s.key,
                     o.output_tokens_per_s,
-                    _fmt(versus, 3),
+                    reference.key if reference else "–",
+                    _fmt(o.output_tokens_per_s / speed if speed else None, 3),
                     o.ttft_ms_median,
                     o.tpot_ms_median,
                     o.mean_accepted_tokens,
@@ -276,12 +274,13 @@ def _peers(report: BenchReport) -> list[str]:
         header = [
             "config@batch",
             "out tok/s",
-            "tok/s x qspec none",
+            "qspec reference",
+            "tok/s x reference",
             "TTFT ms (median)",
             "TPOT ms (median)",
             "tokens/call",
             "acceptance",
-            "equal to none",
+            "equal to reference",
             "common prefix (mean)",
         ]
         lines += _table(header, rows)

@@ -73,7 +73,7 @@ class ConfigSummary(ReportModel):
     per_category: dict[str, CategoryRow]
     round_walls_s: list[float]
     round_other_cpu: list[float]  # other processes' CPU share during each round
-    weight_format: str | None = None  # a qspec package's: fp32, int8, int4 (a baseline's name says its own)
+    weight_format: str | None = None  # the weights it ran: fp32, int8, int4 (llama.cpp: the GGUF type, q4_1)
 
 
 class MicroCall(ReportModel):
@@ -144,7 +144,8 @@ class EqualityCheck(OutputComparison):
     config: str
     reference: str
     # speculative: against none of the same format and batch (must be equal); batch: none@B against
-    # none@1; format: a quantized none against fp32 none (agreement, not a gate); baseline: against none@1.
+    # none@1; format: a quantized none against fp32 none (agreement, not a gate); baseline: against qspec
+    # none of its weight format if qspec ran it, else none@1.
     kind: Literal["batch", "baseline", "speculative", "format"]
 
 
