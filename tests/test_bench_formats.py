@@ -233,3 +233,19 @@ def test_markdown_shows_the_format_of_every_qspec_row():
     assert "| ort-genai-int4@1 | 50.00 | none-int4@1 | 1.111 |" in markdown
     assert "| llama.cpp-q4_1@1 | 37.00 | none@1 | 1.850 |" in markdown
     assert "| ort-genai-int4@1 | int4 |" in markdown  # the weights column: peers say theirs too
+
+
+def test_a_given_int4_package_is_the_runs_only_format(tiny_model, tmp_path):
+    """`qspec bench PACKAGE` on an int4 package: int4 only, its whole K grid, named -int4, and a note says so."""
+    from qspec.bench.run import make_plan
+    from qspec.compile import CompileOptions, compile_package
+    from qspec.specializations import make_config
+
+    spec = make_config(num_speculative_tokens="0,4", prefill_seq_len=8, ctx_len=64)
+    package, _, _ = compile_package(
+        tiny_model("llama"), CompileOptions(specialization=spec, weight_format="int4"), output=tmp_path / "p"
+    )
+    plan = make_plan(str(package), quick_options(methods="pld", k_lists="4;0,4", peers=False, baselines=False))
+    assert plan.options.weight_formats == ("int4",)
+    assert [c.key for c in plan.configs] == ["none-int4@1", "pld[4]-int4@1", "pld[0,4]-int4@1"]
+    assert any("weight format int4 only" in note for note in plan.resolved.notes)
