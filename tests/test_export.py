@@ -223,16 +223,33 @@ def test_export_is_cached_and_atomic(exported, tmp_path):
 
 
 def test_interrupted_export_leaves_nothing(tiny_model, tmp_path, monkeypatch):
-    """An export that fails midway leaves no folder that a later run would take as valid."""
+    """An export interrupted midway (the graph half written) leaves no folder a later run would take as valid."""
     import qspec.export.exporter as exporter
 
-    def boom(*args, **kwargs):
+    def interrupted(folder, *args):
+        (folder / ONNX_FILE).write_bytes(b"half a graph")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(exporter, "check_graph", boom)
+    monkeypatch.setattr(exporter, "_export_in_child", interrupted)
     with pytest.raises(KeyboardInterrupt):
         export_model(tiny_model("llama"), ExportOptions(num_layers=1), cache_dir=tmp_path)
     assert list((tmp_path / "exports").iterdir()) == []
+
+
+def test_export_runs_in_its_own_process(tiny_model, tmp_path, monkeypatch):
+    """The export runs in a fresh process (this process's `_export_into` is never called), so the caller
+    never holds the model; its progress reaches the caller's callback, phase by phase."""
+    import qspec.export.exporter as exporter
+
+    def not_here(*args):
+        raise AssertionError("exported in the calling process")
+
+    monkeypatch.setattr(exporter, "_export_into", not_here)
+    said = []
+    options = ExportOptions(num_layers=1)
+    folder, meta = export_model(tiny_model("llama"), options, cache_dir=tmp_path, progress=said.append)
+    assert (folder / ONNX_FILE).is_file() and meta.model.num_layers == 1
+    assert any(line.startswith("tracing") for line in said) and "checking the ONNX graph" in said
 
 
 def test_unsupported_architecture_names_supported_ones(tmp_path):

@@ -112,7 +112,7 @@ def export_model(
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=root))
     try:
-        meta = _export_into(tmp, source, digest, key, options, say)
+        meta = _export_in_child(tmp, source, digest, key, options, say)
         if final.exists():  # a broken leftover: no export.json, so never valid
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -120,6 +120,62 @@ def export_model(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final, meta
+
+
+def _export_in_child(folder: Path, source: ModelSource, digest: str, key: str, options, say: Progress) -> ExportMeta:
+    """Run :func:`_export_into` in a fresh process and return its metadata; its progress comes through a pipe.
+
+    The compile process then never holds the model: torch.export and onnxscript's rewrite rules keep
+    module-level references to the last traced graph and with it every weight (a 1B model's 5 GB
+    stayed resident while the compile checked its ONNX Runtime sessions), and torch is not even
+    imported here. Errors arrive as the child raised them (one-line ``QSpecError``s stay one line).
+    """
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    receiver, sender = context.Pipe(duplex=False)
+    child = context.Process(target=_export_child, args=(sender, folder, source, digest, key, options), daemon=True)
+    child.start()
+    sender.close()
+    try:
+        while True:
+            try:
+                kind, payload = receiver.recv()
+            except EOFError:
+                child.join()
+                raise QSpecError(
+                    f"the export process of {source.ref} ended without a result (exit code {child.exitcode}); "
+                    "out of memory? run `qspec --debug compile ...` to see more"
+                ) from None
+            if kind == "progress":
+                say(payload)
+            elif kind == "error":
+                raise payload
+            else:
+                return payload
+    finally:
+        receiver.close()
+        child.join(timeout=30)
+        if child.is_alive():
+            child.terminate()
+            child.join()
+
+
+def _export_child(sender, folder: Path, source: ModelSource, digest: str, key: str, options) -> None:
+    """The export process: :func:`_export_into`, then its result (or its error) back to the parent."""
+    import pickle
+
+    try:
+        meta = _export_into(folder, source, digest, key, options, lambda message: sender.send(("progress", message)))
+        sender.send(("done", meta))
+    except BaseException as exc:  # KeyboardInterrupt too: the parent cleans up and re-raises it
+        try:
+            pickle.dumps(exc)
+        except Exception:
+            exc = QSpecError(f"ONNX export failed: {type(exc).__name__}: {exc}")
+        sender.send(("error", exc))
+    finally:
+        sender.close()
 
 
 # What exporting imports beyond the runtime's dependencies: the `export` extra of the package.
