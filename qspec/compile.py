@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -121,6 +122,8 @@ def compile_package(
         comp_ctx_lengths=spec_config.comp_ctx_lengths,
         num_layers=options.num_layers,
     )
+    if options.backend == "ort":  # while the export runs in its own process: the next step's imports (~3 s)
+        threading.Thread(target=_import_runtime_graph_tools, daemon=True).start()
     export_dir, meta = export_model(model, export_options, progress=say, digest=digest)
     messages = check_model_speculative_config(meta.model.speculative_config, spec_config.num_speculative_tokens)
     for message in messages:
@@ -184,6 +187,13 @@ def compile_package(
 
     write_package_atomic(target, build)
     return target, read_manifest(target), False
+
+
+def _import_runtime_graph_tools() -> None:
+    import onnx_ir  # noqa: F401
+    import onnxscript.rewriter.ort_fusions  # noqa: F401
+
+    import qspec.backends.ort_optimize  # noqa: F401
 
 
 def check_ort(onnx_path: Path, specs, vocab_size: int, *, progress: Progress) -> list[SessionCheck]:

@@ -137,6 +137,7 @@ def _export_in_child(folder: Path, source: ModelSource, digest: str, key: str, o
     child = context.Process(target=_export_child, args=(sender, folder, source, digest, key, options), daemon=True)
     child.start()
     sender.close()
+    done = False
     try:
         while True:
             try:
@@ -152,11 +153,13 @@ def _export_in_child(folder: Path, source: ModelSource, digest: str, key: str, o
             elif kind == "error":
                 raise payload
             else:
+                done = True
                 return payload
     finally:
         receiver.close()
-        child.join(timeout=30)
-        if child.is_alive():
+        # After a result the child only tears torch down (1-2 s): let it, without waiting. Otherwise stop it.
+        child.join(timeout=0 if done else 30)
+        if child.is_alive() and not done:
             child.terminate()
             child.join()
 
