@@ -32,6 +32,31 @@ def test_nothing_proposed_runs_the_cheapest_call():
     assert pick_k_by_cost([0, 1, 4], {0: 25.0, 1: 27.0, 4: 30.0}, [0, 0], np.cumprod([0.9] * 4)) == 0
 
 
+def test_never_a_k_above_the_one_covering_the_longest_proposal():
+    """A noisy warm-up can measure K=4 below K=0; with no drafts K=0 still runs, with 1 draft K=1 at most."""
+    noisy = {0: 50.0, 1: 48.0, 4: 40.0}
+    assert pick_k_by_cost([0, 1, 4], noisy, [0, 0, 0, 0], np.cumprod([0.9] * 4)) == 0
+    assert pick_k_by_cost([0, 1, 4], noisy, [1, 0, 0, 0], np.cumprod([0.9] * 4)) == 1
+    assert pick_k_by_cost([0, 1, 4], noisy, [3, 0], np.cumprod([0.9] * 4)) == 4
+
+
+def test_none_at_batch_4_runs_k0_whatever_the_measured_costs(tiny_model, tmp_path):
+    """method none with auto dispatch at 4 slots: every decode call is the smallest K, even if warm-up
+    measured the K=4 call cheaper (noisy machine)."""
+    from qspec.compile import CompileOptions, compile_package
+    from qspec.runtime import Engine, SamplingParams
+    from qspec.specializations import make_config
+
+    config = make_config(num_speculative_tokens="0,4", prefill_seq_len=8, ctx_len=64, full_batch_size=4)
+    package, _, _ = compile_package(tiny_model("llama"), CompileOptions(specialization=config), output=tmp_path / "pkg")
+    engine = Engine(package, method="none")
+    engine.call_ms = {0: 50.0, 4: 10.0}  # as a noisy warm-up could leave them
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    engine.generate(["abc", "def", "ghi", "jkl"], params)
+    calls = engine.last_metrics.calls
+    assert calls["4"] == 0 and calls["0"] > 0
+
+
 def test_acceptance_stats_count_only_tried_drafts():
     """Draft i is tried only when drafts before it were accepted."""
     stats = AcceptanceStats(4)

@@ -79,9 +79,16 @@ def expected_tokens(lengths: Sequence[int], k: int, chain: np.ndarray) -> float:
 
 
 def pick_k_by_cost(ks: Sequence[int], costs_ms: Mapping[int, float], lengths: Sequence[int], chain: np.ndarray) -> int:
-    """The compiled K with the highest expected tokens per ms (ties: the smaller K)."""
+    """The compiled K with the highest expected tokens per ms (ties: the smaller K), at most the ``cover`` K.
+
+    A K above the one covering the longest proposal adds no token, only padding; its measured cost can
+    still come out lower (a noisy warm-up), which once made ``none`` at batch 4 run K=4 on every step.
+    """
+    cover = pick_k(ks, max(lengths, default=0))
     best_k, best_rate = ks[0], -1.0
     for k in ks:
+        if k > cover:
+            break
         rate = expected_tokens(lengths, k, chain) / costs_ms[k]
         if rate > best_rate + 1e-12:
             best_k, best_rate = k, rate
