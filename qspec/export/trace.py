@@ -186,7 +186,6 @@ def trace_pieces(lm: nn.Module, info, options, times: TraceTimes, say: Progress)
         optimize=False,
         verbose=False,
     )
-    _forget_traced_tensors()
     times.add("trace", time.perf_counter() - begin)
     say("optimizing the traced pieces")
     begin = time.perf_counter()
@@ -196,23 +195,8 @@ def trace_pieces(lm: nn.Module, info, options, times: TraceTimes, say: Progress)
     onnxscript.optimizer.optimize(model, num_iterations=1)  # weights are inputs: nothing of theirs is folded
     weights |= _initializers_to_inputs(model.graph, tensors)
     pieces = {spec.name: _cut(model.graph, spec, weights) for spec in specs}
-    for value in (*model.graph.inputs, *model.graph.initializers.values()):
-        value.const_value = None  # onnxscript's rewrite rules keep the last graph they matched: not its weights
     times.add("optimize", time.perf_counter() - begin)
     return pieces
-
-
-def _forget_traced_tensors() -> None:
-    """Drop torch.export's module-level map of traced nodes, whose metadata holds the real weights.
-
-    torch 2.13 leaves ``proxy_tensor._FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT`` filled after an
-    export, so every weight (a 1B model: 5 GB) stayed resident through the rest of ``qspec compile``.
-    """
-    from torch.fx.experimental import proxy_tensor
-
-    leftover = getattr(proxy_tensor, "_FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT", None)
-    if isinstance(leftover, dict):
-        leftover.clear()
 
 
 def _named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
