@@ -1,9 +1,12 @@
-"""Plumbing every part of qspec shares: the frozen typed-value base, one-line validation messages, atomic writes."""
+"""Plumbing every part of qspec shares: the frozen typed-value base, one-line validation messages, atomic writes
+and atomically built cache folders."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -12,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from qspec.errors import ConfigError
 
 M = TypeVar("M", bound="FrozenModel")
+T = TypeVar("T")
 
 
 def validation_message(exc: ValidationError) -> str:
@@ -53,3 +57,23 @@ def write_text_atomic(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def build_directory(final: Path, build: Callable[[Path], T]) -> T:
+    """Run ``build(tmp)`` in a fresh folder beside ``final``, then move it to ``final``; returns what it returned.
+
+    A failure (an interruption too) leaves nothing behind. For caches whose entries are complete only
+    with a marker file the caller checks first: a folder already at ``final`` is a broken leftover and
+    is replaced.
+    """
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+    try:
+        result = build(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return result

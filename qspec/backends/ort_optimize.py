@@ -33,13 +33,12 @@ from __future__ import annotations
 
 import collections
 import hashlib
-import os
-import shutil
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from qspec.common import build_directory
 from qspec.errors import CompileError
 from qspec.package import ORT_ONNX_FILE, RuntimeGraph, WeightFormat
 
@@ -218,18 +217,13 @@ def cached_runtime_graph(
     final = cache_root() / "ort-graphs" / key
     if (final / GRAPH_META).is_file():
         return final, RuntimeGraph.model_validate_json((final / GRAPH_META).read_text())
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=final.parent))
-    try:
-        graph = optimize_graph(export_dir / ONNX_FILE, tmp / ORT_ONNX_FILE, weight_format, progress=progress)
-        (tmp / GRAPH_META).write_text(graph.model_dump_json(indent=2) + "\n")
-        if final.exists():  # a broken leftover: no graph.json, so never valid
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final, graph
+
+    def build(folder: Path) -> RuntimeGraph:
+        graph = optimize_graph(export_dir / ONNX_FILE, folder / ORT_ONNX_FILE, weight_format, progress=progress)
+        (folder / GRAPH_META).write_text(graph.model_dump_json(indent=2) + "\n")
+        return graph
+
+    return final, build_directory(final, build)
 
 
 def _versions() -> str:

@@ -16,8 +16,6 @@ import hashlib
 import io
 import logging
 import os
-import shutil
-import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -26,6 +24,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from qspec import __version__, contract
+from qspec.common import build_directory
 from qspec.errors import ConfigError, QSpecError
 from qspec.export.loader import ModelSource, load_model, resolve_source, source_digest
 from qspec.export.wrapper import adapter_for
@@ -105,20 +104,10 @@ def export_model(
         say("hashing model files")
         digest = source_digest(source)
     key = export_key(digest, options)
-    root = (cache_dir or cache_root()) / "exports"
-    final = root / key
+    final = (cache_dir or cache_root()) / "exports" / key
     if (final / EXPORT_META).is_file():
         return final, read_export(final)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=root))
-    try:
-        meta = _export_in_child(tmp, source, digest, key, options, say)
-        if final.exists():  # a broken leftover: no export.json, so never valid
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    meta = build_directory(final, lambda folder: _export_in_child(folder, source, digest, key, options, say))
     return final, meta
 
 
