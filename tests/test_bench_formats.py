@@ -97,19 +97,7 @@ def _summary(config: RunConfig, tokens_per_s: float) -> ConfigSummary:
     """A summary with only what the targets read: output tokens/s (and requests/s, the same number)."""
     rates = {"output_tokens_per_s": tokens_per_s, "requests_per_s": tokens_per_s}
     overall = Overall.from_metrics(aggregate([], 1.0, {})).model_copy(update=rates)
-    return ConfigSummary(
-        key=config.key,
-        name=config.name,
-        method=config.method,
-        ks=list(config.ks),
-        batch=config.batch,
-        backend=config.backend,
-        overall=overall,
-        per_category={},
-        round_walls_s=[],
-        round_other_cpu=[],
-        weight_format=config.weight_format,
-    )
+    return ConfigSummary.for_config(config, overall=overall, per_category={}, round_walls_s=[], round_other_cpu=[])
 
 
 def _hand_made_run() -> list[ConfigSummary]:

@@ -116,18 +116,12 @@ def summarize(collected: Collected, *, peak_rss_mb: float | None = None) -> Conf
     proposed = any(result.metrics.proposed for _, result in collected.requests.values())
     overall = Overall.from_metrics(engine, proposals_known=not config.baseline or proposed)
     rows = [CategoryInput(c, r.metrics.output_tokens, r.metrics.e2e_s) for c, r in collected.requests.values()]
-    return ConfigSummary(
-        key=config.key,
-        name=config.name,
-        method=config.method,
-        ks=list(config.ks),
-        batch=config.batch,
-        backend=config.backend,
+    return ConfigSummary.for_config(
+        config,
         overall=overall.model_copy(update={"peak_rss_mb": peak_rss_mb}),
         per_category=category_rates(rows),
         round_walls_s=[round(w, 3) for w in collected.walls],
         round_other_cpu=collected.other_cpu,
-        weight_format=config.weight_format,
     )
 
 

@@ -6,12 +6,15 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
 from qspec.bench.options import BenchOptions
 from qspec.runtime.metrics import EngineMetrics
+
+if TYPE_CHECKING:
+    from qspec.bench.plan import RunConfig
 
 
 class ReportModel(BaseModel):
@@ -74,6 +77,13 @@ class ConfigSummary(ReportModel):
     round_walls_s: list[float]
     round_other_cpu: list[float]  # other processes' CPU share during each round
     weight_format: str | None = None  # the weights it ran: fp32, int8, int4 (llama.cpp: the GGUF type, q4_1)
+
+    @classmethod
+    def for_config(cls, config: RunConfig, **results: Any) -> ConfigSummary:
+        """The summary of ``config``: what it is from the config, what it measured from ``results``."""
+        identity = dict(key=config.key, name=config.name, method=config.method, ks=list(config.ks))
+        identity |= dict(batch=config.batch, backend=config.backend, weight_format=config.weight_format)
+        return cls(**identity, **results)
 
 
 class MicroCall(ReportModel):
