@@ -184,7 +184,7 @@ def test_stop_string_and_text(packages):
 def test_chat_prompt_uses_the_template(packages):
     """--chat renders the tokenizer's template before encoding."""
     engine = Engine(packages["0,4"], method="none")
-    ids = engine.encode("hi", chat=True)
+    ids = engine.tokenizer.encode_prompt("hi", chat=True)
     assert engine.tokenizer.decode(ids, skip_special_tokens=False) == "<s>user: hi</s><s>assistant: "
 
 

@@ -124,7 +124,7 @@ class QspecRunner(Runner):
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of a chat (the package's template), the same for every configuration."""
-        return self.first_engine.encode(messages, chat=True)
+        return self.first_engine.tokenizer.encode_prompt(messages, chat=True)
 
     def run(self, config: RunConfig, prompts: list[list[int]], max_new_tokens: int) -> RoundResult:
         from qspec.runtime import SamplingParams

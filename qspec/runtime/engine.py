@@ -149,16 +149,6 @@ class Engine:
         self.model.warm_up()
         return measure_costs(self.model, self.ks, repeats if self.dispatch in ("cost", "auto") else 0)
 
-    # ------------------------------------------------------------------ prompts
-
-    def encode(self, prompt: Prompt, *, chat: bool = False) -> list[int]:
-        """Token ids of ``prompt``: text (raw or, with ``chat``, through the chat template), ids, or messages."""
-        if isinstance(prompt, str):
-            return self.tokenizer.encode_chat(prompt) if chat else self.tokenizer.encode(prompt)
-        if prompt and isinstance(prompt[0], dict):
-            return self.tokenizer.encode_chat(list(prompt))
-        return [int(t) for t in prompt]
-
     # ------------------------------------------------------------------ phases
 
     def prefill(self, group: list[SequenceState]) -> None:
@@ -240,30 +230,9 @@ class Engine:
     # ------------------------------------------------------------------ bookkeeping
 
     def _emit(self, seq: SequenceState, tokens: list[int]) -> None:
-        """Append ``tokens`` until a stop; the last one kept becomes ``seq.last``."""
-        kept = []
-        for token in tokens:
-            kept.append(token)
-            seq.output.append(token)
-            if token in self.eos_token_ids and not seq.params.ignore_eos:
-                seq.finish_reason = "stop"
-                break
-            if seq.remaining <= 0:
-                seq.finish_reason = "length"
-                break
-        seq.last = kept[-1]
-        seq.new_tokens.extend(kept)
+        """Append ``tokens`` to ``seq`` until a stop; the proposer learns the tokens of a sequence that goes on."""
+        kept = seq.append(tokens, self.eos_token_ids, self.model.ctx_len)
         self._updated[seq.index] = seq
-        if seq.stream is not None:
-            new_text = seq.stream.push(kept)
-            if seq.params.stop:
-                cut = seq.cut_at_stop(len(new_text))
-                if cut is not None:
-                    seq.finish_reason = "stop"
-                    new_text = new_text[: max(0, len(new_text) - cut)]  # stream up to the stop string
-            seq.new_text += new_text
-        if seq.finish_reason is None and seq.position >= self.model.ctx_len:
-            seq.finish_reason = "length"  # `last` has no slot left to be written to
         if seq.finish_reason is None:
             self.proposer.extend(seq.index, kept)
 
@@ -391,7 +360,7 @@ class Engine:
             )
         if self.has_unfinished():
             raise ConfigError("generate() needs an idle engine: requests added with add_request() are still in flight")
-        encoded = [self.encode(p, chat=chat) for p in prompts]
+        encoded = [self.tokenizer.encode_prompt(p, chat=chat) for p in prompts]
         for i, ids in enumerate(encoded):
             check_fits(f"prompt {i}", ids, self.model.ctx_len)
         calls_before = dict(self.calls)

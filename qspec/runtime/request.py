@@ -82,6 +82,33 @@ class SequenceState:
     def remaining(self) -> int:
         return self.params.max_new_tokens - len(self.output)
 
+    def append(self, tokens: list[int], eos_token_ids: frozenset[int], ctx_len: int) -> list[int]:
+        """Append ``tokens`` until a stop (EOS, the token budget, a stop string, the context's end);
+        returns the tokens kept, the last of which becomes ``last``."""
+        kept = []
+        for token in tokens:
+            kept.append(token)
+            self.output.append(token)
+            if token in eos_token_ids and not self.params.ignore_eos:
+                self.finish_reason = "stop"
+                break
+            if self.remaining <= 0:
+                self.finish_reason = "length"
+                break
+        self.last = kept[-1]
+        self.new_tokens.extend(kept)
+        if self.stream is not None:
+            new_text = self.stream.push(kept)
+            if self.params.stop:
+                cut = self.cut_at_stop(len(new_text))
+                if cut is not None:
+                    self.finish_reason = "stop"
+                    new_text = new_text[: max(0, len(new_text) - cut)]  # stream up to the stop string
+            self.new_text += new_text
+        if self.finish_reason is None and self.position >= ctx_len:
+            self.finish_reason = "length"  # `last` has no slot left to be written to
+        return kept
+
     def cut_at_stop(self, new_chars: int) -> int | None:
         """Cut the text before the first stop string; returns how many characters were cut, or None.
 

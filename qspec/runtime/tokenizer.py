@@ -75,6 +75,14 @@ class Tokenizer:
             messages = [{"role": "user", "content": messages}]
         return self.encode(self.render_chat(messages), add_special_tokens=False)
 
+    def encode_prompt(self, prompt, *, chat: bool = False) -> list[int]:
+        """Token ids of a prompt: text (raw or, with ``chat``, through the chat template), ids, or chat messages."""
+        if isinstance(prompt, str):
+            return self.encode_chat(prompt) if chat else self.encode(prompt)
+        if prompt and isinstance(prompt[0], dict):
+            return self.encode_chat(list(prompt))
+        return [int(t) for t in prompt]
+
 
 class TextStream:
     """Incremental detokenization: feed token ids, get the new text (held back mid-character)."""

@@ -154,7 +154,7 @@ def create_app(engine: Engine, worker: EngineWorker, *, served_model_name: str) 
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        prompt_ids = engine.encode(body.prompt)
+        prompt_ids = engine.tokenizer.encode_prompt(body.prompt)
         ticket = front.submit(body, prompt_ids)
         rid = new_id("cmpl")
 
