@@ -144,7 +144,14 @@ def compile_package(
     if options.backend == "ort":
         from qspec.backends.ort_optimize import cached_runtime_graph
 
-        graph_dir, runtime_graph = cached_runtime_graph(export_dir, meta.key, options.weight_format, progress=say)
+        graph_dir, runtime_graph = cached_runtime_graph(
+            export_dir,
+            meta.key,
+            options.weight_format,
+            progress=say,
+            attention=meta.model.attention,
+            positions=spec_config.ctx_len + max(spec.seq_len for spec in specs),
+        )
 
     def build(folder: Path) -> None:
         say("writing the package")

@@ -42,6 +42,23 @@ Backend = Literal["ort", "qaic"]
 WeightFormat = Literal["fp32", "int8", "int4"]
 
 
+class AttentionInfo(BaseModel):
+    """How the model attends, for a runtime that fuses attention into one op (RoPE table, heads, windows)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float  # of q.k
+    windows: list[int | None]  # sliding window of each layer (keys in [p - window + 1, p]), None: all
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (weights model.layers.{i}.self_attn.{q,k}_norm)
+    qk_norm_eps: float = 1e-6
+    inv_freq: list[float]  # RoPE frequencies, [head_dim / 2]
+    rope_scaling: float = 1.0  # multiplies cos and sin
+
+
 class ModelInfo(BaseModel):
     """What the runtime needs to know about an exported model, without loading it."""
 
@@ -55,6 +72,7 @@ class ModelInfo(BaseModel):
     kv_dtype: str = "float32"
     eos_token_ids: list[int]
     speculative_config: dict = Field(default_factory=dict)  # the model config's own speculative fields
+    attention: AttentionInfo | None = None  # exports before format 4 have none
 
 
 class ModelEntry(ModelInfo):
@@ -88,6 +106,10 @@ class RuntimeGraph(BaseModel):
     # fp32, but int8 activation quantization (MatMulNBits accuracy level 4) turns one into a whole
     # rounding step, ~0.5 logits after SmolLM2's 30 layers: speculative output would not be greedy.
     min_seq_len: int = Field(default=1, ge=1)
+    # Attention is ONNX Runtime's GroupQueryAttention (qspec.backends.ort_attention), which wants room
+    # for a whole padded chunk: the runtime's KV buffers are the longest seq_len slots longer than ctx_len.
+    kv_slack: bool = False
+    rope_positions: int | None = None  # rows of its RoPE table (GroupQueryAttention): positions below it
     seconds: float
 
 

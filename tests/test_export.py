@@ -28,26 +28,40 @@ GRAPHS = ["vendor", "ort"]  # model.onnx as exported; the ort backend's fused fp
 
 def graph_path(folder, meta, graph: str = "vendor"):
     """The file of ``graph`` for an export: the vendor graph, or the ort backend's optimized fp32 graph."""
+    return runtime_graph(folder, meta, graph)[0]
+
+
+def runtime_graph(folder, meta, graph: str = "vendor"):
+    """(file, RuntimeGraph or None) of ``graph`` for an export; the ort graph is copied beside the export's weights."""
     if graph == "vendor":
-        return folder / ONNX_FILE
+        return folder / ONNX_FILE, None
     from qspec.backends.ort_optimize import cached_runtime_graph
 
-    graph_dir, runtime = cached_runtime_graph(folder, meta.key, "fp32")
+    positions = 2 * max(CTX, 48)  # ctx_len and slack of every Graph below (SmolLM2's test: ctx 48)
+    graph_dir, runtime = cached_runtime_graph(
+        folder, meta.key, "fp32", attention=meta.model.attention, positions=positions
+    )
     assert runtime.data_file == ONNX_FILE + ".data"  # it reads the export's weights: put it beside them
     target = folder / runtime.file
     shutil.copyfile(graph_dir / runtime.file, target)
-    return target
+    return target, runtime
 
 
 class Graph:
-    """Runs an exported graph on ORT with the KV buffers held as numpy arrays between calls."""
+    """Runs an exported graph on ORT as the runtime does: each KV buffer bound as both the input and its
+    ``_RetainedState`` output (updated in place), kept as numpy arrays between calls.
 
-    def __init__(self, folder, meta, rows: int, graph: str = "vendor"):
-        path = graph_path(folder, meta, graph)
+    A GroupQueryAttention graph gets ``ctx`` slack slots after ``ctx_len`` (``RuntimeGraph.kv_slack``).
+    """
+
+    def __init__(self, folder, meta, rows: int, graph: str = "vendor", *, ctx: int = CTX):
+        path, runtime = runtime_graph(folder, meta, graph)
         self.session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         info = meta.model
-        shape = (rows, info.num_kv_heads, CTX, info.head_dim)
+        kv_len = ctx * 2 if runtime is not None and runtime.kv_slack else ctx
+        shape = (rows, info.num_kv_heads, kv_len, info.head_dim)
         self.kv = {name: np.zeros(shape, np.float32) for name in contract.kv_names(info.num_layers)}
+        self._bound = {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in self.kv.items()}
         self.speculative = meta.options.speculative
         self.bucketed = meta.options.comp_ctx_lengths
 
@@ -59,9 +73,15 @@ class Graph:
             feeds[contract.NUM_LOGITS_TO_KEEP] = np.zeros((keep, 1), np.int64)
         if self.bucketed:
             feeds[contract.COMP_CTX_LENGTHS] = np.zeros(ccl, np.int64)
-        outputs = self.session.run(None, feeds | self.kv)
-        self.kv = dict(zip(self.kv, outputs[1:]))
-        return outputs[0]  # [batch, keep, vocab]
+        binding = self.session.io_binding()
+        for name, value in feeds.items():
+            binding.bind_cpu_input(name, value)
+        for name, value in self._bound.items():  # wraps self.kv's arrays: the call updates them in place
+            binding.bind_ortvalue_input(name, value)
+            binding.bind_ortvalue_output(contract.retained(name), value)
+        binding.bind_output(contract.LOGITS)
+        self.session.run_with_iobinding(binding)
+        return binding.get_outputs()[-1].numpy()  # [batch, keep, vocab]
 
 
 def reference_logits(folder, tokens):

@@ -13,8 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from qspec import contract
-
 pytestmark = pytest.mark.slow
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -92,31 +90,18 @@ def test_export_parity_with_pytorch(hf_model, graph_kind):
 
     ``vendor``: model.onnx as exported; ``ort``: the ort backend's fused fp32 graph (model.ort.onnx).
     """
-    import onnxruntime as ort
     import torch
 
     from qspec.export import ExportOptions, export_model
-    from tests.test_export import graph_path
+    from tests.test_export import Graph
 
     model, tokenizer = hf_model
     folder, meta = export_model(smollm2_path(), ExportOptions())
     ctx = 48
-    path = graph_path(folder, meta, graph_kind)
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    info = meta.model
-    names = contract.kv_names(info.num_layers)
-    kv = {n: np.zeros((2, info.num_kv_heads, ctx, info.head_dim), np.float32) for n in names}
+    graph = Graph(folder, meta, rows=2, graph=graph_kind, ctx=ctx)  # KV bound in place, as the runtime runs it
 
     def call(ids, pos, keep):
-        nonlocal kv
-        feeds = {
-            contract.INPUT_IDS: np.array(ids, np.int64),
-            contract.POSITION_IDS: np.array(pos, np.int64),
-            contract.NUM_LOGITS_TO_KEEP: np.zeros((keep, 1), np.int64),
-        }
-        out = session.run(None, feeds | kv)
-        kv = dict(zip(names, out[1:]))
-        return out[0]
+        return graph.run(ids, pos, keep=keep)
 
     tokens = tokenizer("The quick brown fox jumps over the lazy dog. " * 6)["input_ids"][:ctx]
     assert len(tokens) == ctx
@@ -187,7 +172,7 @@ def test_speculative_greedy_equals_plain_and_transformers(compiled, hf_model, ks
     if ks == "0,4" and fbs is None:
         model, tokenizer = hf_model
         for prompt, tokens in zip(prompts, outputs["none"]):
-            ids = Engine.encode(engine, prompt, chat=True)
+            ids = engine.tokenizer.encode_prompt(prompt, chat=True)
             ref = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(ids) :]
             assert tokens == ref.tolist()
 

@@ -40,7 +40,7 @@ from pathlib import Path
 
 from qspec.common import build_directory
 from qspec.errors import CompileError
-from qspec.package import ORT_ONNX_FILE, RuntimeGraph, WeightFormat
+from qspec.package import ORT_ONNX_FILE, AttentionInfo, RuntimeGraph, WeightFormat
 
 Progress = Callable[[str], None]
 
@@ -53,7 +53,7 @@ INT8_ACTIVATIONS = 4
 ACCURACY_LEVEL = INT8_ACTIVATIONS
 SYMMETRIC = False
 # Bump when the recipe below changes: cached runtime graphs are keyed by it.
-RECIPE_VERSION = 4
+RECIPE_VERSION = 6
 GRAPH_META = "graph.json"
 # Initializers below this size stay inside the .onnx file.
 EXTERNAL_MIN_BYTES = 1024
@@ -134,11 +134,12 @@ def ort_offline(source: Path, target: Path) -> None:
 
 
 def streamed_weight_bytes(path: Path) -> int:
-    """Bytes of the initializers every call reads: all but tables only ``Gather``/embedding ops index."""
+    """Bytes of the initializers every call reads: all but tables that are only indexed (the embedding's
+    ``Gather``, the RoPE tables of ``GroupQueryAttention``: a call reads the rows of its positions)."""
     import onnx
 
     proto = onnx.load(str(path), load_external_data=False)
-    lookups = {"Gather", "GatherBlockQuantized"}
+    lookups = {"Gather", "GatherBlockQuantized", "GroupQueryAttention"}
     users: dict[str, set[str]] = collections.defaultdict(set)
     for node in proto.graph.node:
         for name in node.input:
@@ -160,9 +161,18 @@ def optimize_graph(
     accuracy_level: int = ACCURACY_LEVEL,
     symmetric: bool = SYMMETRIC,
     progress: Progress | None = None,
+    attention: AttentionInfo | None = None,
+    rope_positions: int = 0,
 ) -> RuntimeGraph:
-    """Write the embedded backend's graph of ``source`` (the contract graph) to ``target``."""
+    """Write the embedded backend's graph of ``source`` (the contract graph) to ``target``.
+
+    ``attention``: the export's :class:`AttentionInfo`; with it, attention becomes ONNX Runtime's
+    ``GroupQueryAttention`` (:mod:`qspec.backends.ort_attention`) with a RoPE table of
+    ``rope_positions`` rows; without it, attention stays as exported.
+    """
     import onnx_ir as ir
+
+    from qspec.backends.ort_attention import fuse_attention
 
     say = progress or (lambda message: None)
     begin = time.perf_counter()
@@ -175,6 +185,9 @@ def optimize_graph(
     fusions = fuse(model)
     for value in (*model.graph.inputs, *model.graph.outputs):  # shape inference may rename symbolic dims
         value.shape = contract_shapes[value.name]
+    if attention is not None:
+        say("fusing attention (GroupQueryAttention)")
+        fusions["group_query_attention"] = fuse_attention(model, attention, rope_positions)
     quantized = 0
     if bits is None:
         ir.save(model, str(target))  # initializers keep pointing into the source's .data file
@@ -199,27 +212,47 @@ def optimize_graph(
         data_file=source.name + ".data" if bits is None else target.name + ".data",
         weight_bytes=streamed_weight_bytes(target),
         min_seq_len=2 if bits and accuracy_level == INT8_ACTIVATIONS else 1,
+        kv_slack=fusions.get("group_query_attention", 0) > 0,
+        rope_positions=rope_positions if fusions.get("group_query_attention", 0) else None,
         seconds=round(time.perf_counter() - begin, 2),
     )
 
 
 def cached_runtime_graph(
-    export_dir: Path, export_key: str, weight_format: WeightFormat, *, progress: Progress | None = None
+    export_dir: Path,
+    export_key: str,
+    weight_format: WeightFormat,
+    *,
+    progress: Progress | None = None,
+    attention: AttentionInfo | None = None,
+    positions: int = 0,
 ) -> tuple[Path, RuntimeGraph]:
     """The runtime graph of an export (folder holding ``model.ort.onnx``, and its ``.data`` unless fp32), built once.
 
     An fp32 graph has no data of its own: it is valid beside the export's ``model.onnx.data``, as in a package.
+    ``positions``: the most positions a call may rotate (``ctx_len`` + the longest ``seq_len``); the RoPE
+    table of a GroupQueryAttention graph gets the next power of two, so a few graphs serve every ``ctx_len``.
     """
+    rope_positions = 1 << max(positions - 1, 0).bit_length() if attention is not None else 0
     from qspec.export.exporter import ONNX_FILE, cache_root
 
-    settings = f"{export_key}|{weight_format}|{BLOCK_SIZE}|{ACCURACY_LEVEL}|{RECIPE_VERSION}|{_versions()}"
+    settings = (
+        f"{export_key}|{weight_format}|{BLOCK_SIZE}|{ACCURACY_LEVEL}|{rope_positions}|{RECIPE_VERSION}|{_versions()}"
+    )
     key = hashlib.sha256(settings.encode()).hexdigest()[:24]
     final = cache_root() / "ort-graphs" / key
     if (final / GRAPH_META).is_file():
         return final, RuntimeGraph.model_validate_json((final / GRAPH_META).read_text())
 
     def build(folder: Path) -> RuntimeGraph:
-        graph = optimize_graph(export_dir / ONNX_FILE, folder / ORT_ONNX_FILE, weight_format, progress=progress)
+        graph = optimize_graph(
+            export_dir / ONNX_FILE,
+            folder / ORT_ONNX_FILE,
+            weight_format,
+            progress=progress,
+            attention=attention,
+            rope_positions=rope_positions,
+        )
         (folder / GRAPH_META).write_text(graph.model_dump_json(indent=2) + "\n")
         return graph
 

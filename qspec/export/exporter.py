@@ -27,13 +27,13 @@ from qspec import __version__, contract
 from qspec.common import build_directory
 from qspec.errors import ConfigError, QSpecError
 from qspec.export.loader import ModelSource, load_model, resolve_source, source_digest
-from qspec.export.wrapper import adapter_for
+from qspec.export.wrapper import adapter_for, attention_info
 from qspec.package import ONNX_FILE, TOKENIZER_DIR, ModelInfo
 
 EXPORT_META = "export.json"
 OPSET = 18
 # Bump when the exporter writes a different graph for the same model and options: old exports are stale.
-EXPORT_FORMAT = 3
+EXPORT_FORMAT = 4
 
 Progress = Callable[[str], None]
 
@@ -255,6 +255,7 @@ def _model_info(model, tokenizer) -> ModelInfo:
         vocab_size=config.vocab_size,
         eos_token_ids=sorted(eos),
         speculative_config=spec_fields,
+        attention=attention_info(model),
     )
 
 

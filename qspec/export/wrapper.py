@@ -78,6 +78,31 @@ def adapter_for(config) -> Adapter:
     return ADAPTERS[model_type]
 
 
+def attention_info(model: nn.Module):
+    """The :class:`~qspec.package.AttentionInfo` of a Hugging Face decoder: what a fused-attention
+    runtime needs beside the weights (RoPE table, heads, scale, windows, q/k norm)."""
+    from qspec.package import AttentionInfo
+
+    config = model.config
+    adapter = adapter_for(config)
+    layers = model.model.layers
+    attn = layers[0].self_attn
+    rotary = model.model.rotary_emb
+    norm = getattr(attn, "q_norm", None) if adapter.qk_norm else None
+    return AttentionInfo(
+        num_layers=len(layers),
+        num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=attn.head_dim,
+        scale=float(attn.scaling),
+        windows=[adapter.window(config, i, layer.self_attn) for i, layer in enumerate(layers)],
+        qk_norm=adapter.qk_norm,
+        qk_norm_eps=float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))) if norm is not None else 1e-6,
+        inv_freq=[float(f) for f in rotary.inv_freq.detach().float()],
+        rope_scaling=float(getattr(rotary, "attention_scaling", 1.0)),
+    )
+
+
 class InputMajorLinear(nn.Module):
     """``nn.Linear`` with its weight held ``[in, out]``: it traces to ``MatMul(x, W)`` with no Transpose.
 

@@ -3,10 +3,12 @@
 :class:`CompiledModel` implements :class:`~qspec.runtime.backend.LoadedModel` (the interface the
 engine uses, whatever the backend).
 
-The KV cache is ``2 * num_layers`` OrtValues of ``[rows, kv_heads, ctx_len, head_dim]``, allocated
-once. Every specialization's binding binds each ``past_*`` input **and** its ``_RetainedState``
-output to the same OrtValue, so a call updates the cache in place (ORT then skips the copy in its
-scatter) and nothing is copied between calls. The small inputs (token ids, positions, batch index)
+The KV cache is ``2 * num_layers`` OrtValues of ``[rows, kv_heads, ctx_len, head_dim]`` (plus slack
+slots for a GroupQueryAttention graph, :attr:`CompiledModel.kv_len`), allocated once. Every
+specialization's binding binds each ``past_*`` input **and** its ``_RetainedState`` output to the
+same OrtValue, so a call updates the cache in place (the scatter of an explicit-attention graph
+skips its copy; GroupQueryAttention writes into the shared buffer) and nothing is copied between
+calls. The small inputs (token ids, positions, batch index)
 and the logits are numpy arrays wrapped, not copied, by OrtValues bound once: a call writes the
 inputs in place and reads the logits in place.
 
@@ -32,6 +34,7 @@ import onnxruntime as ort
 
 from qspec import contract
 from qspec.backends import ort as ort_backend
+from qspec.errors import PackageError
 from qspec.package import runtime_graph_file
 from qspec.runtime.backend import Binding, LoadedModel, SessionMode, host_arrays
 from qspec.specializations import Specialization
@@ -62,11 +65,21 @@ class CompiledModel(LoadedModel):
         model = self.manifest.model
         specs = self.manifest.specializations
 
+        graph = self.manifest.runtime_graph
+        # GroupQueryAttention wants room for a whole padded chunk past a row's first position (see
+        # RuntimeGraph.kv_slack): the buffers get the longest seq_len more slots; positions stay < ctx_len.
+        self.kv_len = self.ctx_len + (max(s.seq_len for s in specs) if graph is not None and graph.kv_slack else 0)
+        if graph is not None and graph.rope_positions is not None and self.kv_len > graph.rope_positions:
+            raise PackageError(
+                f"{self.package}: its graph's RoPE table has {graph.rope_positions} positions, fewer than "
+                f"ctx_len + seq_len = {self.kv_len}; compile the package again"
+            )
+
         begin = time.perf_counter()
         onnx_path = self.package / runtime_graph_file(self.manifest)  # backend ort: its optimized graph
         sessions: dict[Specialization, ort.InferenceSession] = {}
         if session_mode == "shared":
-            fixed = {contract.CTX_LEN: self.ctx_len}
+            fixed = {contract.CTX_LEN: self.kv_len}
             if self.continuous_batching:
                 fixed[contract.FULL_BATCH_SIZE] = self.rows
             session = ort.InferenceSession(
@@ -85,14 +98,15 @@ class CompiledModel(LoadedModel):
         self.load_seconds = time.perf_counter() - begin
 
         dtype = np.float16 if model.kv_dtype == "float16" else np.float32
-        shape = (self.rows, model.num_kv_heads, self.ctx_len, model.head_dim)
+        shape = (self.rows, model.num_kv_heads, self.kv_len, model.head_dim)
         self.kv_names = contract.kv_names(model.num_layers)
         self.kv = [ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, dtype=dtype)) for _ in self.kv_names]
         self.bindings: dict[Specialization, OrtBinding] = {spec: self._bind(spec, sessions[spec]) for spec in specs}
         self._index()
 
     def _padded(self, spec: Specialization) -> Specialization:
-        """``spec`` with ``seq_len`` widened to the graph's ``min_seq_len`` (int8/int4 graphs: 2).
+        """``spec`` as the session runs it: ``ctx_len`` is :attr:`kv_len`, ``seq_len`` widened to the
+        graph's ``min_seq_len`` (int8/int4 graphs: 2).
 
         The extra columns stay padding (PAD_POSITION), which the contract makes harmless: this only
         keeps a one-token row on the same kernels as the rows of a K + 1 verify call (see
@@ -100,7 +114,7 @@ class CompiledModel(LoadedModel):
         """
         graph = self.manifest.runtime_graph
         need = graph.min_seq_len if graph is not None else 1
-        return spec if spec.seq_len >= need else spec.model_copy(update={"seq_len": need})
+        return spec.model_copy(update={"seq_len": max(spec.seq_len, need), "ctx_len": self.kv_len})
 
     def _bind(self, spec: Specialization, session: ort.InferenceSession) -> OrtBinding:
         arrays = host_arrays(self._padded(spec), self.vocab_size, continuous_batching=self.continuous_batching)

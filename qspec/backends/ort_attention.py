@@ -1,0 +1,214 @@
+"""Attention for the embedded backend: each layer's attention as one ``GroupQueryAttention`` node.
+
+The vendor graph computes attention the way the contract states it, in plain ONNX ops: RoPE, the KV
+of the call's tokens written at ``position_ids`` (``ScatterElements``), a mask from positions, two
+MatMuls and a softmax: about 45 nodes per layer. On the CPU a decode call spends most of its time
+beyond the weights launching nodes (measured: ≈ 1,800 nodes per SmolLM2 int4 call, 395 after this).
+ONNX Runtime's ``com.microsoft.GroupQueryAttention`` does the same work in one node, with the KV
+buffer shared between ``past`` and ``present`` (the runtime binds both to one OrtValue) and its
+right-padded chunk form (``query_seqlens``). Mapping the contract onto it, per row of a call:
+
+- a row with live tokens at positions ``p .. p + n - 1`` (consecutive, as the contract requires) runs
+  as a chunk of all ``seq_len`` tokens from ``p``: ``query_seqlens = seq_len``,
+  ``seqlens_k = p + seq_len - 1``. Its live tokens are written at their positions, rotated by them and
+  see slots ``[0, position]`` (and their window), as in the vendor graph. Its padding tokens follow
+  at ``p + n ..`` like rejected drafts: written past the row's last live slot, where nothing is read
+  before a later live token rewrites it. (Counting them keeps every attention product as wide as the
+  call, as the vendor graph does: a one-token row would otherwise run other kernels than the same
+  token in a verify call, which int8 activations turn into logit differences.)
+- a row with no live token is idle (``query_seqlens = 0``): its cache is not touched; its output rows,
+  which the op leaves unspecified, are zeroed.
+
+The op wants room for the whole chunk, ``p + seq_len <=`` the buffer's length, and RoPE rows for
+every position it rotates. The runtime gives such a graph KV buffers ``seq_len`` slots longer than
+``ctx_len`` (:attr:`qspec.package.RuntimeGraph.kv_slack`), and the RoPE table has
+``rope_positions >= ctx_len + seq_len`` rows; live positions stay below ``ctx_len``.
+
+The rewrite reads the layer's projections by their weight names (``model.layers.{i}.self_attn.*``,
+the names the exporter keeps) and RoPE, heads and windows from the export's
+:class:`~qspec.package.AttentionInfo`. A graph with ``batch_index`` (continuous batching: the KV
+rows of a call are chosen by index) keeps its explicit attention.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from qspec import contract
+from qspec.package import AttentionInfo
+
+MS_DOMAIN = "com.microsoft"
+LAYER_PREFIX = "model.layers.{i}.self_attn."
+
+
+def rope_tables(attention: AttentionInfo, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """``cos_cache``, ``sin_cache`` ``[rows, head_dim / 2]`` for positions ``0 .. rows - 1``, RoPE scaling folded in."""
+    inv_freq = np.asarray(attention.inv_freq, dtype=np.float32)
+    positions = np.arange(rows, dtype=np.float32)[:, None]
+    freqs = positions * inv_freq[None, :]
+    scale = np.float32(attention.rope_scaling)
+    return (np.cos(freqs) * scale).astype(np.float32), (np.sin(freqs) * scale).astype(np.float32)
+
+
+def fuse_attention(model, attention: AttentionInfo, rope_positions: int) -> int:
+    """Replace every layer's attention of an ``onnx_ir`` model with ``GroupQueryAttention``; returns how many.
+
+    ``rope_positions``: rows of the RoPE table, at least ``ctx_len`` plus the longest ``seq_len``.
+
+    Returns 0 (and changes nothing) for a graph whose KV rows are chosen by ``batch_index``.
+    """
+    import onnx_ir as ir
+
+    graph = model.graph
+    inputs = {value.name: value for value in graph.inputs}
+    if contract.BATCH_INDEX in inputs:
+        return 0
+    producers = _projection_outputs(graph)
+    shared = _shared_inputs(graph, inputs, attention, rope_positions)
+    outputs = {value.name: (i, value) for i, value in enumerate(graph.outputs)}
+    nodes = []
+    for i in range(attention.num_layers):
+        prefix = LAYER_PREFIX.format(i=i)
+        q, k, v = (producers[prefix + name] for name in ("q_proj", "k_proj", "v_proj"))
+        o_proj = producers[prefix + "o_proj"].producer()  # its MatMul reads the attention output
+        if attention.qk_norm:  # per-head RMSNorm before RoPE (the CPU kernel has no q/k norm inputs)
+            q, k = (_head_norm(graph, nodes, x, prefix + name, attention) for x, name in ((q, "q_norm"), (k, "k_norm")))
+        past_key, past_value = inputs[contract.past_key(i)], inputs[contract.past_value(i)]
+        gqa = ir.node(
+            "GroupQueryAttention",
+            [
+                q,
+                k,
+                v,
+                past_key,
+                past_value,
+                shared["seqlens_k"],
+                shared["total_sequence_length"],
+                shared["cos_cache"],
+                shared["sin_cache"],
+                None,  # position_ids: token s of a row is at p + s (seqlens_k + 1 - seq_len + s)
+                None,  # attention_bias
+                None,  # head_sink
+                None,  # k_scale
+                None,  # v_scale
+                None,  # q_norm_weight (CUDA / WebGPU only)
+                None,  # k_norm_weight
+                shared["query_seqlens"],
+            ],
+            attributes={
+                "num_heads": attention.num_heads,
+                "kv_num_heads": attention.num_kv_heads,
+                "scale": float(attention.scale),
+                "do_rotary": 1,
+                "rotary_interleaved": 0,
+                "local_window_size": attention.windows[i] if attention.windows[i] is not None else -1,
+            },
+            domain=MS_DOMAIN,
+            num_outputs=3,
+            name=f"layers.{i}.attention",
+        )
+        # The op leaves the output rows of padding tokens unspecified; zero them so that what follows
+        # sees the same values whatever the call's padding (int8 activation quantization mixes rows).
+        out = ir.node("Where", [shared["live"], gqa.outputs[0], shared["zero"]], name=f"layers.{i}.attention_live")
+        nodes.extend((gqa, out))
+        o_proj.replace_input_with(0, out.outputs[0])
+        for buffer, present in ((past_key, gqa.outputs[1]), (past_value, gqa.outputs[2])):
+            index, old = outputs[contract.retained(buffer.name)]
+            present.name, present.shape, present.type = old.name, old.shape, old.type
+            old.name = None
+            graph.outputs[index] = present
+    graph.extend(nodes)
+    graph.sort()
+    model.opset_imports[MS_DOMAIN] = 1
+    from onnxscript import optimizer
+
+    optimizer.remove_unused_nodes(model)
+    return attention.num_layers
+
+
+def _projection_outputs(graph) -> dict[str, object]:
+    """``{module path: its output value}`` for every ``MatMul(x, <path>.weight)`` (+ bias ``Add``)."""
+    found = {}
+    for node in graph:
+        if node.op_type != "MatMul" or len(node.inputs) != 2 or node.inputs[1] is None:
+            continue
+        name = node.inputs[1].name or ""
+        if not name.endswith(".weight") or not node.inputs[1].is_initializer():
+            continue
+        out = node.outputs[0]
+        users = list(out.uses())
+        if len(users) == 1 and users[0][0].op_type == "Add":  # a projection with a bias
+            add = users[0][0]
+            other = add.inputs[1 - users[0][1]]
+            if other is not None and other.is_initializer():
+                out = add.outputs[0]
+        found[name.removesuffix(".weight")] = out
+    return found
+
+
+def _head_norm(graph, nodes: list, x, module: str, attention: AttentionInfo):
+    """RMSNorm of each head of ``x`` ``[batch, seq, heads * head_dim]`` with ``<module>.weight``: 3 nodes."""
+    import onnx_ir as ir
+
+    heads = ir.Value(name=f"{module}.heads_shape")
+    heads.const_value = ir.tensor(np.array([0, 0, -1, attention.head_dim], dtype=np.int64), name=heads.name)
+    heads.shape, heads.type = ir.Shape([4]), ir.TensorType(ir.DataType.INT64)
+    flat = ir.Value(name=f"{module}.flat_shape")
+    flat.const_value = ir.tensor(np.array([0, 0, -1], dtype=np.int64), name=flat.name)
+    flat.shape, flat.type = ir.Shape([3]), ir.TensorType(ir.DataType.INT64)
+    graph.register_initializer(heads)
+    graph.register_initializer(flat)
+    split = ir.node("Reshape", [x, heads], name=f"{module}.split_heads")
+    norm = ir.node(
+        "SimplifiedLayerNormalization",
+        [split.outputs[0], graph.initializers[module + ".weight"]],
+        attributes={"axis": -1, "epsilon": float(attention.qk_norm_eps), "stash_type": 1},
+        name=f"{module}.norm",
+    )
+    join = ir.node("Reshape", [norm.outputs[0], flat], name=f"{module}.join_heads")
+    nodes.extend((split, norm, join))
+    return join.outputs[0]
+
+
+def _shared_inputs(graph, inputs, attention: AttentionInfo, rope_positions: int) -> dict[str, object]:
+    """What every layer's attention reads, computed once from ``position_ids`` (a dozen nodes)."""
+    import onnx_ir as ir
+
+    def constant(name: str, array: np.ndarray) -> ir.Value:
+        value = ir.Value(name=name)
+        value.const_value = ir.tensor(array, name=name)
+        value.shape, value.type = ir.Shape(array.shape), ir.TensorType(value.const_value.dtype)
+        graph.register_initializer(value)
+        return value
+
+    positions = inputs[contract.POSITION_IDS]
+    zero, one = constant("attn.zero", np.array(0, np.int64)), constant("attn.one", np.array(1, np.int64))
+    axis1, axis2 = constant("attn.axis1", np.array([1], np.int64)), constant("attn.axis2", np.array([2], np.int64))
+    nodes = []
+
+    def op(op_type: str, *args, **attributes) -> ir.Value:
+        node = ir.node(op_type, list(args), attributes=attributes, name=f"attn.{op_type}.{len(nodes)}")
+        nodes.append(node)
+        return node.outputs[0]
+
+    valid = op("GreaterOrEqual", positions, zero)  # [batch, seq]
+    count = op("ReduceSum", op("Cast", valid, to=ir.DataType.INT64), axis1, keepdims=0)  # [batch] live tokens
+    last = op("ReduceMax", positions, axis1, keepdims=0)  # [batch]: -1 for an idle row
+    seq = op("Gather", op("Shape", positions), one)  # scalar
+    live_row = op("Greater", count, zero)
+    # A live row runs all seq tokens from its first live position p: T = p + seq = last - count + 1 + seq.
+    seqlens_k = op("Where", live_row, op("Sub", op("Add", last, seq), count), zero)
+    query_seqlens = op("Where", live_row, op("Expand", seq, op("Shape", count)), zero)
+    total = op("Max", op("Add", op("ReduceMax", seqlens_k, keepdims=0), one), seq)  # >= every T and seq
+    cos, sin = rope_tables(attention, rope_positions)
+    shared = {
+        "live": op("Unsqueeze", valid, axis2),  # [batch, seq, 1]
+        "zero": constant("attn.zero_float", np.array(0.0, np.float32)),
+        "seqlens_k": op("Cast", seqlens_k, to=ir.DataType.INT32),
+        "query_seqlens": op("Cast", query_seqlens, to=ir.DataType.INT32),
+        "total_sequence_length": op("Cast", total, to=ir.DataType.INT32),
+        "cos_cache": constant("attn.cos_cache", cos),
+        "sin_cache": constant("attn.sin_cache", sin),
+    }
+    graph.extend(nodes)
+    return shared
