@@ -26,8 +26,12 @@ every position it rotates. The runtime gives such a graph KV buffers ``seq_len``
 
 The rewrite reads the layer's projections by their weight names (``model.layers.{i}.self_attn.*``,
 the names the exporter keeps) and RoPE, heads and windows from the export's
-:class:`~qspec.package.AttentionInfo`. A graph with ``batch_index`` (continuous batching: the KV
-rows of a call are chosen by index) keeps its explicit attention.
+:class:`~qspec.package.AttentionInfo`.
+
+Continuous batching (``batch_index`` picks the KV row of each of the call's rows): the op's batch is
+the KV rows. The call's q, k, v are scattered to their KV rows (``ScatterND`` into zeros), the other
+KV rows are idle, and the output is gathered back; only attention's inputs and output move, a few
+``[rows, seq_len, width]`` copies per layer, never the KV cache.
 """
 
 from __future__ import annotations
@@ -61,10 +65,9 @@ def fuse_attention(model, attention: AttentionInfo, rope_positions: int) -> int:
 
     graph = model.graph
     inputs = {value.name: value for value in graph.inputs}
-    if contract.BATCH_INDEX in inputs:
-        return 0
     producers = _projection_outputs(graph)
     shared = _shared_inputs(graph, inputs, attention, rope_positions)
+    by_index = contract.BATCH_INDEX in inputs
     outputs = {value.name: (i, value) for i, value in enumerate(graph.outputs)}
     nodes = []
     for i in range(attention.num_layers):
@@ -73,6 +76,12 @@ def fuse_attention(model, attention: AttentionInfo, rope_positions: int) -> int:
         o_proj = producers[prefix + "o_proj"].producer()  # its MatMul reads the attention output
         if attention.qk_norm:  # per-head RMSNorm before RoPE (the CPU kernel has no q/k norm inputs)
             q, k = (_head_norm(graph, nodes, x, prefix + name, attention) for x, name in ((q, "q_norm"), (k, "k_norm")))
+        if by_index:  # the call's rows to their KV rows; the other KV rows are idle in this call
+            widths = (attention.num_heads, attention.num_kv_heads, attention.num_kv_heads)
+            q, k, v = (
+                _to_kv_rows(nodes, x, shared["zeros"][heads * attention.head_dim], shared, f"layers.{i}.{n}")
+                for x, heads, n in zip((q, k, v), widths, "qkv")
+            )
         past_key, past_value = inputs[contract.past_key(i)], inputs[contract.past_value(i)]
         gqa = ir.node(
             "GroupQueryAttention",
@@ -109,8 +118,14 @@ def fuse_attention(model, attention: AttentionInfo, rope_positions: int) -> int:
         )
         # The op leaves the output rows of padding tokens unspecified; zero them so that what follows
         # sees the same values whatever the call's padding (int8 activation quantization mixes rows).
-        out = ir.node("Where", [shared["live"], gqa.outputs[0], shared["zero"]], name=f"layers.{i}.attention_live")
-        nodes.extend((gqa, out))
+        nodes.append(gqa)
+        attended = gqa.outputs[0]
+        if by_index:  # back from KV rows to the call's rows
+            back = ir.node("Gather", [attended, shared["call_rows"]], attributes={"axis": 0}, name=f"layers.{i}.rows")
+            nodes.append(back)
+            attended = back.outputs[0]
+        out = ir.node("Where", [shared["live"], attended, shared["zero"]], name=f"layers.{i}.attention_live")
+        nodes.append(out)
         o_proj.replace_input_with(0, out.outputs[0])
         for buffer, present in ((past_key, gqa.outputs[1]), (past_value, gqa.outputs[2])):
             index, old = outputs[contract.retained(buffer.name)]
@@ -144,6 +159,15 @@ def _projection_outputs(graph) -> dict[str, object]:
                 out = add.outputs[0]
         found[name.removesuffix(".weight")] = out
     return found
+
+
+def _to_kv_rows(nodes: list, x, zeros, shared: dict, name: str):
+    """``x`` ``[batch, seq, width]`` scattered to its ``batch_index`` rows of ``zeros`` ``[kv_rows, seq, width]``."""
+    import onnx_ir as ir
+
+    node = ir.node("ScatterND", [zeros, shared["batch_index"], x], name=f"{name}.to_kv_rows")
+    nodes.append(node)
+    return node.outputs[0]
 
 
 def _head_norm(graph, nodes: list, x, module: str, attention: AttentionInfo):
@@ -183,6 +207,7 @@ def _shared_inputs(graph, inputs, attention: AttentionInfo, rope_positions: int)
 
     positions = inputs[contract.POSITION_IDS]
     zero, one = constant("attn.zero", np.array(0, np.int64)), constant("attn.one", np.array(1, np.int64))
+    axis0 = constant("attn.axis0", np.array([0], np.int64))
     axis1, axis2 = constant("attn.axis1", np.array([1], np.int64)), constant("attn.axis2", np.array([2], np.int64))
     nodes = []
 
@@ -192,9 +217,28 @@ def _shared_inputs(graph, inputs, attention: AttentionInfo, rope_positions: int)
         return node.outputs[0]
 
     valid = op("GreaterOrEqual", positions, zero)  # [batch, seq]
-    count = op("ReduceSum", op("Cast", valid, to=ir.DataType.INT64), axis1, keepdims=0)  # [batch] live tokens
-    last = op("ReduceMax", positions, axis1, keepdims=0)  # [batch]: -1 for an idle row
     seq = op("Gather", op("Shape", positions), one)  # scalar
+    extra = {}
+    batch_index = inputs.get(contract.BATCH_INDEX)
+    if batch_index is not None:
+        # Continuous batching: the call's rows are KV rows batch_index; attention runs over every KV
+        # row, those not in the call idle (all positions PAD_POSITION), its inputs scattered there.
+        kv_rows = op("Gather", op("Shape", inputs[contract.past_key(0)]), zero)
+        full = op("Concat", op("Unsqueeze", kv_rows, axis0), op("Unsqueeze", seq, axis0), axis=0)  # [kv_rows, seq]
+        pad = constant("attn.pad", np.array(contract.PAD_POSITION, np.int64))
+        positions = op("ScatterND", op("Expand", pad, full), batch_index, positions)
+        zero_f = constant("attn.zero_float_1d", np.zeros(1, np.float32))
+        widths = {attention.num_heads * attention.head_dim, attention.num_kv_heads * attention.head_dim}
+        extra = {
+            "batch_index": batch_index,
+            "call_rows": op("Squeeze", batch_index, axis1),
+            "zeros": {
+                w: op("Expand", zero_f, op("Concat", full, constant(f"attn.width{w}", np.array([w], np.int64)), axis=0))
+                for w in sorted(widths)
+            },
+        }
+    count = op("ReduceSum", op("Cast", op("GreaterOrEqual", positions, zero), to=ir.DataType.INT64), axis1, keepdims=0)
+    last = op("ReduceMax", positions, axis1, keepdims=0)  # [rows]: -1 for an idle row
     live_row = op("Greater", count, zero)
     # A live row runs all seq tokens from its first live position p: T = p + seq = last - count + 1 + seq.
     seqlens_k = op("Where", live_row, op("Sub", op("Add", last, seq), count), zero)
@@ -209,6 +253,7 @@ def _shared_inputs(graph, inputs, attention: AttentionInfo, rope_positions: int)
         "total_sequence_length": op("Cast", total, to=ir.DataType.INT32),
         "cos_cache": constant("attn.cos_cache", cos),
         "sin_cache": constant("attn.sin_cache", sin),
+        **extra,
     }
     graph.extend(nodes)
     return shared
