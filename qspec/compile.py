@@ -77,7 +77,20 @@ def default_output(model: str | os.PathLike[str], options: CompileOptions) -> Pa
 
 
 def _inputs_key(digest: str, options: CompileOptions) -> str:
-    payload = json.dumps({"digest": digest, "options": options.model_dump(mode="json"), "qspec": __version__})
+    """Everything a package is built from: the model, the options, and the versions of what builds its graphs
+    (a package of an older exporter or runtime-graph recipe is rebuilt, not reused)."""
+    from qspec.backends.ort_optimize import RECIPE_VERSION
+    from qspec.export.exporter import EXPORT_FORMAT
+
+    payload = json.dumps(
+        {
+            "digest": digest,
+            "options": options.model_dump(mode="json"),
+            "qspec": __version__,
+            "export_format": EXPORT_FORMAT,
+            "runtime_graph_recipe": RECIPE_VERSION,
+        }
+    )
     return hashlib.sha256(payload.encode()).hexdigest()[:24]
 
 

@@ -152,6 +152,17 @@ def test_weight_format_is_part_of_the_package_key(model, packages, tmp_path):
     assert not reused and other.inputs_key != first.inputs_key and other.weight_format == "int8"
 
 
+def test_package_of_an_older_graph_recipe_is_rebuilt(model, tmp_path, monkeypatch):
+    """A package built by another runtime-graph recipe (an older qspec) is rebuilt, not reused."""
+    from qspec.backends import ort_optimize
+
+    folder = tmp_path / "pkg"
+    _, first, _ = compile_format(model, folder, "0,4", "fp32")
+    monkeypatch.setattr(ort_optimize, "RECIPE_VERSION", ort_optimize.RECIPE_VERSION + 1)
+    _, again, reused = compile_format(model, folder, "0,4", "fp32")
+    assert not reused and again.inputs_key != first.inputs_key
+
+
 def test_qaic_backend_refuses_quantized_weights():
     """The vendor flow compiles the fp32 graph: int4 for qaic is a one-line error naming --mxfp6-matmul."""
     with pytest.raises(ConfigError, match="--mxfp6-matmul"):
