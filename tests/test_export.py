@@ -351,6 +351,38 @@ def test_missing_export_extra_says_what_to_install(tiny_model, monkeypatch):
         export_model(tiny_model("llama"), ExportOptions(num_layers=1))
 
 
+@pytest.mark.parametrize("family,tie", [("qwen2", False), ("llama", True)])
+def test_packed_qkv_attention_equals_separate_projections(exported, tmp_path, family, tie):
+    """One packed q/k/v MatMul (+ packed bias, qwen2) fed to GroupQueryAttention gives the logits of three."""
+    import onnx_ir as ir
+
+    from qspec.backends.ort_attention import fuse_attention
+
+    model_dir, folder, meta = exported(family, tie=tie)
+    outputs = {}
+    for pack in (False, True):
+        model = ir.load(str(folder / ONNX_FILE))
+        ir.external_data.load_to_model(model)
+        assert fuse_attention(model, meta.model.attention, 64, pack_qkv=pack) == meta.model.num_layers
+        ops = [node.op_type for node in model.graph]
+        assert ops.count("MatMul") == meta.model.num_layers * (5 if pack else 7) + 1
+        path = tmp_path / f"{family}-{pack}.onnx"
+        ir.save(model, str(path))
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        kv = {
+            name: np.zeros((1, meta.model.num_kv_heads, 32, meta.model.head_dim), np.float32)
+            for name in contract.kv_names(meta.model.num_layers)
+        }
+        feeds = {
+            contract.INPUT_IDS: np.array([[5, 9, 17, 33, 0]], np.int64),
+            contract.POSITION_IDS: np.array([[0, 1, 2, 3, -1]], np.int64),
+            contract.NUM_LOGITS_TO_KEEP: np.zeros((4, 1), np.int64),
+        }
+        outputs[pack] = session.run([contract.LOGITS], feeds | kv)[0]
+    np.testing.assert_allclose(outputs[True], outputs[False], atol=1e-5)
+    np.testing.assert_allclose(outputs[True][0], reference_logits(model_dir, [5, 9, 17, 33]), atol=TOL)
+
+
 def test_comp_ctx_lengths_bounds_the_slots_read(exported):
     """A comp_ctx_lengths input of length 8 makes attention read slots 0..7 only: NaNs beyond are never seen."""
     model_dir, folder, meta = exported("llama", comp_ctx_lengths=True)

@@ -77,14 +77,15 @@ def test_continuous_batching_equals_batch_one(packages, fmt):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_every_matmul_weight_is_quantized_lm_head_included(packages, fmt):
-    """2 layers x 7 projections + the tied LM head are MatMulNBits; the embedding Gather stays fp32."""
+    """2 layers x 5 projections (q, k, v packed into one) + the tied LM head are MatMulNBits; the embedding
+    Gather stays fp32."""
     package = packages[fmt]["0,4"]
     ops = matmul_ops(package)
-    assert ops["MatMulNBits"] == 2 * 7 + 1
+    assert ops["MatMulNBits"] == 2 * 5 + 1 and ops["MatMul"] == 0
     manifest = read_manifest(package)
     assert manifest.weight_format == fmt
     graph = manifest.runtime_graph
-    assert graph.file == ORT_ONNX_FILE and graph.quantized_matmuls == 15
+    assert graph.file == ORT_ONNX_FILE and graph.quantized_matmuls == 11
     assert graph.fusions["materialized_weights"] == 1  # the tied head got its own [hidden, vocab] weight
     fp32 = read_manifest(packages["fp32"]["0,4"]).runtime_graph
     # The LM head alone is 64 x 320 fp32 = 80 KiB; int4 streams about 1/6 of fp32's bytes (scales, zero points).

@@ -54,10 +54,13 @@ def rope_tables(attention: AttentionInfo, rows: int) -> tuple[np.ndarray, np.nda
     return (np.cos(freqs) * scale).astype(np.float32), (np.sin(freqs) * scale).astype(np.float32)
 
 
-def fuse_attention(model, attention: AttentionInfo, rope_positions: int) -> int:
+def fuse_attention(model, attention: AttentionInfo, rope_positions: int, *, pack_qkv: bool = False) -> int:
     """Replace every layer's attention of an ``onnx_ir`` model with ``GroupQueryAttention``; returns how many.
 
     ``rope_positions``: rows of the RoPE table, at least ``ctx_len`` plus the longest ``seq_len``.
+    ``pack_qkv``: one MatMul for q, k and v (their weights side by side, fed to the op as packed QKV),
+    for graphs that hold their own weights (quantized ones: a block-wise quantizer quantizes each
+    output column alone, so the packed weight quantizes to the same values). Not with q/k norm.
 
     Returns 0 (and changes nothing) for a graph whose KV rows are chosen by ``batch_index``.
     """
@@ -76,11 +79,15 @@ def fuse_attention(model, attention: AttentionInfo, rope_positions: int) -> int:
         o_proj = producers[prefix + "o_proj"].producer()  # its MatMul reads the attention output
         if attention.qk_norm:  # per-head RMSNorm before RoPE (the CPU kernel has no q/k norm inputs)
             q, k = (_head_norm(graph, nodes, x, prefix + name, attention) for x, name in ((q, "q_norm"), (k, "k_norm")))
+        heads = [attention.num_heads, attention.num_kv_heads, attention.num_kv_heads]
+        if pack_qkv and not attention.qk_norm:
+            q, k, v, heads = _packed_qkv(graph, nodes, (q, k, v), prefix), None, None, [sum(heads), 0, 0]
         if by_index:  # the call's rows to their KV rows; the other KV rows are idle in this call
-            widths = (attention.num_heads, attention.num_kv_heads, attention.num_kv_heads)
             q, k, v = (
-                _to_kv_rows(nodes, x, shared["zeros"][heads * attention.head_dim], shared, f"layers.{i}.{n}")
-                for x, heads, n in zip((q, k, v), widths, "qkv")
+                _to_kv_rows(nodes, x, shared["zeros"][n * attention.head_dim], shared, f"layers.{i}.{name}")
+                if x is not None
+                else None
+                for x, n, name in zip((q, k, v), heads, "qkv")
             )
         past_key, past_value = inputs[contract.past_key(i)], inputs[contract.past_value(i)]
         gqa = ir.node(
@@ -138,6 +145,9 @@ def fuse_attention(model, attention: AttentionInfo, rope_positions: int) -> int:
     from onnxscript import optimizer
 
     optimizer.remove_unused_nodes(model)
+    for name, value in list(graph.initializers.items()):  # the q, k, v weights a packed graph no longer reads
+        if not value.uses() and value not in graph.outputs:
+            graph.initializers.pop(name)
     return attention.num_layers
 
 
@@ -159,6 +169,36 @@ def _projection_outputs(graph) -> dict[str, object]:
                 out = add.outputs[0]
         found[name.removesuffix(".weight")] = out
     return found
+
+
+def _packed_qkv(graph, nodes: list, outputs, prefix: str):
+    """``[batch, seq, (heads + 2 kv_heads) * head_dim]`` from one MatMul (+ bias Add) in place of three."""
+    import onnx_ir as ir
+
+    matmuls, biases = [], []
+    for out in outputs:
+        node = out.producer()
+        if node.op_type == "Add":  # MatMul + bias (see _projection_outputs)
+            biases.append(next(v for v in node.inputs if v.is_initializer()))
+            node = next(v for v in node.inputs if not v.is_initializer()).producer()
+        matmuls.append(node)
+
+    def packed(name: str, values, axis: int) -> ir.Value:
+        array = np.concatenate([v.const_value.numpy() for v in values], axis=axis)
+        value = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(values[0].dtype))
+        value.const_value = ir.tensor(array, name=name)
+        graph.register_initializer(value)
+        return value
+
+    weight = packed(prefix + "qkv_proj.weight", [m.inputs[1] for m in matmuls], axis=1)  # [in, q + k + v]
+    node = ir.node("MatMul", [matmuls[0].inputs[0], weight], name=prefix + "qkv_proj")
+    nodes.append(node)
+    if biases:
+        node = ir.node(
+            "Add", [node.outputs[0], packed(prefix + "qkv_proj.bias", biases, axis=0)], name=prefix + "qkv_bias"
+        )
+        nodes.append(node)
+    return node.outputs[0]
 
 
 def _to_kv_rows(nodes: list, x, zeros, shared: dict, name: str):
@@ -228,7 +268,8 @@ def _shared_inputs(graph, inputs, attention: AttentionInfo, rope_positions: int)
         pad = constant("attn.pad", np.array(contract.PAD_POSITION, np.int64))
         positions = op("ScatterND", op("Expand", pad, full), batch_index, positions)
         zero_f = constant("attn.zero_float_1d", np.zeros(1, np.float32))
-        widths = {attention.num_heads * attention.head_dim, attention.num_kv_heads * attention.head_dim}
+        heads = (attention.num_heads, attention.num_kv_heads, attention.num_heads + 2 * attention.num_kv_heads)
+        widths = {n * attention.head_dim for n in heads}  # q, k and v, or packed QKV
         extra = {
             "batch_index": batch_index,
             "call_rows": op("Squeeze", batch_index, axis1),

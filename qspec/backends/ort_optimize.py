@@ -53,7 +53,7 @@ INT8_ACTIVATIONS = 4
 ACCURACY_LEVEL = INT8_ACTIVATIONS
 SYMMETRIC = False
 # Bump when the recipe below changes: cached runtime graphs are keyed by it.
-RECIPE_VERSION = 7
+RECIPE_VERSION = 8
 GRAPH_META = "graph.json"
 # Initializers below this size stay inside the .onnx file.
 EXTERNAL_MIN_BYTES = 1024
@@ -187,7 +187,7 @@ def optimize_graph(
         value.shape = contract_shapes[value.name]
     if attention is not None:
         say("fusing attention (GroupQueryAttention)")
-        fusions["group_query_attention"] = fuse_attention(model, attention, rope_positions)
+        fusions["group_query_attention"] = fuse_attention(model, attention, rope_positions, pack_qkv=bits is not None)
     quantized = 0
     if bits is None:
         ir.save(model, str(target))  # initializers keep pointing into the source's .data file
