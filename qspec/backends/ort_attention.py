@@ -3,7 +3,7 @@
 The vendor graph computes attention the way the contract states it, in plain ONNX ops: RoPE, the KV
 of the call's tokens written at ``position_ids`` (``ScatterElements``), a mask from positions, two
 MatMuls and a softmax: about 45 nodes per layer. On the CPU a decode call spends most of its time
-beyond the weights launching nodes (measured: ≈ 1,800 nodes per SmolLM2 int4 call, 395 after this).
+beyond the weights launching nodes (measured: ≈ 1,800 nodes per SmolLM2 int4 call, 372 after this).
 ONNX Runtime's ``com.microsoft.GroupQueryAttention`` does the same work in one node, with the KV
 buffer shared between ``past`` and ``present`` (the runtime binds both to one OrtValue) and its
 right-padded chunk form (``query_seqlens``). Mapping the contract onto it, per row of a call:
