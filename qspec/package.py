@@ -106,11 +106,16 @@ class RuntimeGraph(BaseModel):
     # fp32, but int8 activation quantization (MatMulNBits accuracy level 4) turns one into a whole
     # rounding step, ~0.5 logits after SmolLM2's 30 layers: speculative output would not be greedy.
     min_seq_len: int = Field(default=1, ge=1)
-    # Attention is ONNX Runtime's GroupQueryAttention (qspec.backends.ort_attention), which wants room
-    # for a whole padded chunk: the runtime's KV buffers are the longest seq_len slots longer than ctx_len.
-    kv_slack: bool = False
-    rope_positions: int | None = None  # rows of its RoPE table (GroupQueryAttention): positions below it
+    # Set when attention is ONNX Runtime's GroupQueryAttention (qspec.backends.ort_attention): the rows of
+    # its RoPE table, positions below it.
+    rope_positions: int | None = None
     seconds: float
+
+    @property
+    def kv_slack(self) -> bool:
+        """GroupQueryAttention wants room for a whole padded chunk: the runtime's KV buffers are the longest
+        seq_len slots longer than ctx_len."""
+        return self.rope_positions is not None
 
 
 class SessionCheck(BaseModel):

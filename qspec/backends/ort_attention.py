@@ -61,8 +61,6 @@ def fuse_attention(model, attention: AttentionInfo, rope_positions: int, *, pack
     ``pack_qkv``: one MatMul for q, k and v (their weights side by side, fed to the op as packed QKV),
     for graphs that hold their own weights (quantized ones: a block-wise quantizer quantizes each
     output column alone, so the packed weight quantizes to the same values). Not with q/k norm.
-
-    Returns 0 (and changes nothing) for a graph whose KV rows are chosen by ``batch_index``.
     """
     import onnx_ir as ir
 
@@ -123,14 +121,14 @@ def fuse_attention(model, attention: AttentionInfo, rope_positions: int, *, pack
             num_outputs=3,
             name=f"layers.{i}.attention",
         )
-        # The op leaves the output rows of padding tokens unspecified; zero them so that what follows
-        # sees the same values whatever the call's padding (int8 activation quantization mixes rows).
         nodes.append(gqa)
         attended = gqa.outputs[0]
         if by_index:  # back from KV rows to the call's rows
             back = ir.node("Gather", [attended, shared["call_rows"]], attributes={"axis": 0}, name=f"layers.{i}.rows")
             nodes.append(back)
             attended = back.outputs[0]
+        # The op leaves an idle row's output unspecified: zero every padding token's output, so what
+        # follows sees the same values whatever the call's padding.
         out = ir.node("Where", [shared["live"], attended, shared["zero"]], name=f"layers.{i}.attention_live")
         nodes.append(out)
         o_proj.replace_input_with(0, out.outputs[0])
@@ -171,6 +169,17 @@ def _projection_outputs(graph) -> dict[str, object]:
     return found
 
 
+def _constant(graph, name: str, array: np.ndarray):
+    """An initializer ``name`` of ``graph`` holding ``array``."""
+    import onnx_ir as ir
+
+    value = ir.Value(name=name)
+    value.const_value = ir.tensor(array, name=name)
+    value.shape, value.type = ir.Shape(array.shape), ir.TensorType(value.const_value.dtype)
+    graph.register_initializer(value)
+    return value
+
+
 def _packed_qkv(graph, nodes: list, outputs, prefix: str):
     """``[batch, seq, (heads + 2 kv_heads) * head_dim]`` from one MatMul (+ bias Add) in place of three."""
     import onnx_ir as ir
@@ -184,11 +193,7 @@ def _packed_qkv(graph, nodes: list, outputs, prefix: str):
         matmuls.append(node)
 
     def packed(name: str, values, axis: int) -> ir.Value:
-        array = np.concatenate([v.const_value.numpy() for v in values], axis=axis)
-        value = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(values[0].dtype))
-        value.const_value = ir.tensor(array, name=name)
-        graph.register_initializer(value)
-        return value
+        return _constant(graph, name, np.concatenate([v.const_value.numpy() for v in values], axis=axis))
 
     weight = packed(prefix + "qkv_proj.weight", [m.inputs[1] for m in matmuls], axis=1)  # [in, q + k + v]
     node = ir.node("MatMul", [matmuls[0].inputs[0], weight], name=prefix + "qkv_proj")
@@ -214,14 +219,8 @@ def _head_norm(graph, nodes: list, x, module: str, attention: AttentionInfo):
     """RMSNorm of each head of ``x`` ``[batch, seq, heads * head_dim]`` with ``<module>.weight``: 3 nodes."""
     import onnx_ir as ir
 
-    heads = ir.Value(name=f"{module}.heads_shape")
-    heads.const_value = ir.tensor(np.array([0, 0, -1, attention.head_dim], dtype=np.int64), name=heads.name)
-    heads.shape, heads.type = ir.Shape([4]), ir.TensorType(ir.DataType.INT64)
-    flat = ir.Value(name=f"{module}.flat_shape")
-    flat.const_value = ir.tensor(np.array([0, 0, -1], dtype=np.int64), name=flat.name)
-    flat.shape, flat.type = ir.Shape([3]), ir.TensorType(ir.DataType.INT64)
-    graph.register_initializer(heads)
-    graph.register_initializer(flat)
+    heads = _constant(graph, f"{module}.heads_shape", np.array([0, 0, -1, attention.head_dim], dtype=np.int64))
+    flat = _constant(graph, f"{module}.flat_shape", np.array([0, 0, -1], dtype=np.int64))
     split = ir.node("Reshape", [x, heads], name=f"{module}.split_heads")
     norm = ir.node(
         "SimplifiedLayerNormalization",
@@ -239,11 +238,7 @@ def _shared_inputs(graph, inputs, attention: AttentionInfo, rope_positions: int)
     import onnx_ir as ir
 
     def constant(name: str, array: np.ndarray) -> ir.Value:
-        value = ir.Value(name=name)
-        value.const_value = ir.tensor(array, name=name)
-        value.shape, value.type = ir.Shape(array.shape), ir.TensorType(value.const_value.dtype)
-        graph.register_initializer(value)
-        return value
+        return _constant(graph, name, array)
 
     positions = inputs[contract.POSITION_IDS]
     zero, one = constant("attn.zero", np.array(0, np.int64)), constant("attn.one", np.array(1, np.int64))
@@ -278,7 +273,8 @@ def _shared_inputs(graph, inputs, attention: AttentionInfo, rope_positions: int)
                 for w in sorted(widths)
             },
         }
-    count = op("ReduceSum", op("Cast", op("GreaterOrEqual", positions, zero), to=ir.DataType.INT64), axis1, keepdims=0)
+    row_valid = op("GreaterOrEqual", positions, zero) if batch_index is not None else valid  # [rows, seq]
+    count = op("ReduceSum", op("Cast", row_valid, to=ir.DataType.INT64), axis1, keepdims=0)
     last = op("ReduceMax", positions, axis1, keepdims=0)  # [rows]: -1 for an idle row
     live_row = op("Greater", count, zero)
     # A live row runs all seq tokens from its first live position p: T = p + seq = last - count + 1 + seq.

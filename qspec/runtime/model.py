@@ -8,9 +8,8 @@ slots for a GroupQueryAttention graph, :attr:`CompiledModel.kv_len`), allocated 
 specialization's binding binds each ``past_*`` input **and** its ``_RetainedState`` output to the
 same OrtValue, so a call updates the cache in place (the scatter of an explicit-attention graph
 skips its copy; GroupQueryAttention writes into the shared buffer) and nothing is copied between
-calls. The small inputs (token ids, positions, batch index)
-and the logits are numpy arrays wrapped, not copied, by OrtValues bound once: a call writes the
-inputs in place and reads the logits in place.
+calls. The small inputs (token ids, positions, batch index) and the logits are numpy arrays wrapped,
+not copied, by OrtValues bound once: a call writes the inputs in place and reads the logits in place.
 
 Session modes (see ``qspec.backends.ort`` for the measurements):
 
@@ -69,7 +68,7 @@ class CompiledModel(LoadedModel):
         # GroupQueryAttention wants room for a whole padded chunk past a row's first position (see
         # RuntimeGraph.kv_slack): the buffers get the longest seq_len more slots; positions stay < ctx_len.
         self.kv_len = self.ctx_len + (max(s.seq_len for s in specs) if graph is not None and graph.kv_slack else 0)
-        if graph is not None and graph.rope_positions is not None and self.kv_len > graph.rope_positions:
+        if graph is not None and graph.kv_slack and self.kv_len > graph.rope_positions:
             raise PackageError(
                 f"{self.package}: its graph's RoPE table has {graph.rope_positions} positions, fewer than "
                 f"ctx_len + seq_len = {self.kv_len}; compile the package again"
