@@ -40,6 +40,9 @@ MANIFEST_VERSION = 1
 Backend = Literal["ort", "qaic"]
 # Precision of the MatMul weights in the graph the runtime loads (int8/int4: MatMulNBits, weight-only).
 WeightFormat = Literal["fp32", "int8", "int4"]
+# GroupQueryAttention's query tokens per row, at least (qspec.backends.ort_attention pads one-token calls):
+# ONNX Runtime rounds a lone query token differently from the same token among several.
+MIN_QUERY_TOKENS = 2
 
 
 class AttentionInfo(BaseModel):
@@ -101,21 +104,18 @@ class RuntimeGraph(BaseModel):
     block_size: int | None = None
     accuracy_level: int | None = None
     weight_bytes: int  # initializer bytes every call reads (embedding tables excluded)
-    # Calls of fewer tokens per row are padded up to this many. ONNX Runtime computes a one-token row
-    # on other fp32 kernels (GEMV) than a several-token row; their ~1e-7 differences are harmless in
-    # fp32, but int8 activation quantization (MatMulNBits accuracy level 4) turns one into a whole
-    # rounding step, ~0.5 logits after SmolLM2's 30 layers: speculative output would not be greedy.
-    min_seq_len: int = Field(default=1, ge=1)
     # Set when attention is ONNX Runtime's GroupQueryAttention (qspec.backends.ort_attention): the rows of
     # its RoPE table, positions below it.
     rope_positions: int | None = None
     seconds: float
 
-    @property
-    def kv_slack(self) -> bool:
-        """GroupQueryAttention wants room for a whole padded chunk: the runtime's KV buffers are the longest
-        seq_len slots longer than ctx_len."""
-        return self.rope_positions is not None
+    def kv_slack(self, longest_seq_len: int) -> int:
+        """Slots the runtime's KV buffers need beyond ``ctx_len`` for calls of up to ``longest_seq_len`` tokens.
+
+        GroupQueryAttention wants room for a whole padded chunk of ``max(seq_len, MIN_QUERY_TOKENS)``
+        tokens past a row's first position; the vendor graph's attention needs none.
+        """
+        return max(longest_seq_len, MIN_QUERY_TOKENS) if self.rope_positions is not None else 0
 
 
 class SessionCheck(BaseModel):

@@ -58,7 +58,7 @@ class Graph:
         path, runtime = runtime_graph(folder, meta, graph)
         self.session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         info = meta.model
-        kv_len = ctx * 2 if runtime is not None and runtime.kv_slack else ctx
+        kv_len = ctx + (runtime.kv_slack(ctx) if runtime is not None else 0)
         shape = (rows, info.num_kv_heads, kv_len, info.head_dim)
         self.kv = {name: np.zeros(shape, np.float32) for name in contract.kv_names(info.num_layers)}
         self._bound = {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in self.kv.items()}

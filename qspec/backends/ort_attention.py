@@ -8,21 +8,28 @@ ONNX Runtime's ``com.microsoft.GroupQueryAttention`` does the same work in one n
 buffer shared between ``past`` and ``present`` (the runtime binds both to one OrtValue) and its
 right-padded chunk form (``query_seqlens``). Mapping the contract onto it, per row of a call:
 
+- the op sees ``query = max(seq_len, MIN_QUERY_TOKENS)`` tokens per row: a one-token call gets one
+  zero token appended to q, k and v (``Pad``) and its output sliced back. ONNX Runtime's CPU kernel
+  takes another path for a single query token, whose rounding differs from the same token's row in a
+  several-token call (measured on SmolLM2: 3e-8 after the first layer, 3e-5 on fp32 logits, 0.5 on
+  int4 logits once int8 activation quantization rounds the difference up). With the pad, a token's
+  logits in a K=0 call equal, bit for bit, its row in a K + 1 verify call, so speculative greedy
+  output is plain greedy output, while every other node (the weights' MatMuls above all) still runs
+  on the call's own tokens.
 - a row with live tokens at positions ``p .. p + n - 1`` (consecutive, as the contract requires) runs
-  as a chunk of all ``seq_len`` tokens from ``p``: ``query_seqlens = seq_len``,
-  ``seqlens_k = p + seq_len - 1``. Its live tokens are written at their positions, rotated by them and
+  as a chunk of all ``query`` tokens from ``p``: ``query_seqlens = query``,
+  ``seqlens_k = p + query - 1``. Its live tokens are written at their positions, rotated by them and
   see slots ``[0, position]`` (and their window), as in the vendor graph. Its padding tokens follow
   at ``p + n ..`` like rejected drafts: written past the row's last live slot, where nothing is read
   before a later live token rewrites it. (Counting them keeps every attention product as wide as the
-  call, as the vendor graph does: a one-token row would otherwise run other kernels than the same
-  token in a verify call, which int8 activations turn into logit differences.)
+  call, for the same reason as the pad above.)
 - a row with no live token is idle (``query_seqlens = 0``): its cache is not touched; its output rows,
   which the op leaves unspecified, are zeroed.
 
-The op wants room for the whole chunk, ``p + seq_len <=`` the buffer's length, and RoPE rows for
-every position it rotates. The runtime gives such a graph KV buffers ``seq_len`` slots longer than
-``ctx_len`` (:attr:`qspec.package.RuntimeGraph.kv_slack`), and the RoPE table has
-``rope_positions >= ctx_len + seq_len`` rows; live positions stay below ``ctx_len``.
+The op wants room for the whole chunk, ``p + query <=`` the buffer's length, and RoPE rows for
+every position it rotates. The runtime gives such a graph KV buffers ``query`` slots longer than
+``ctx_len`` (:meth:`qspec.package.RuntimeGraph.kv_slack`), and the RoPE table has
+``rope_positions >= ctx_len + query`` rows; live positions stay below ``ctx_len``.
 
 The rewrite reads the layer's projections by their weight names (``model.layers.{i}.self_attn.*``,
 the names the exporter keeps) and RoPE, heads and windows from the export's
@@ -39,7 +46,7 @@ from __future__ import annotations
 import numpy as np
 
 from qspec import contract
-from qspec.package import AttentionInfo
+from qspec.package import MIN_QUERY_TOKENS, AttentionInfo
 
 MS_DOMAIN = "com.microsoft"
 LAYER_PREFIX = "model.layers.{i}.self_attn."
@@ -87,6 +94,7 @@ def fuse_attention(model, attention: AttentionInfo, rope_positions: int, *, pack
                 else None
                 for x, n, name in zip((q, k, v), heads, "qkv")
             )
+        q, k, v = (_padded(nodes, x, shared, f"layers.{i}.{name}") if x is not None else None for x, name in zip((q, k, v), "qkv"))
         past_key, past_value = inputs[contract.past_key(i)], inputs[contract.past_value(i)]
         gqa = ir.node(
             "GroupQueryAttention",
@@ -122,7 +130,10 @@ def fuse_attention(model, attention: AttentionInfo, rope_positions: int, *, pack
             name=f"layers.{i}.attention",
         )
         nodes.append(gqa)
-        attended = gqa.outputs[0]
+        # the call's own tokens: drop the op's padding token (see MIN_QUERY_TOKENS)
+        sliced = ir.node("Slice", [gqa.outputs[0], shared["zero_1d"], shared["seq_1d"], shared["axis1"]], name=f"layers.{i}.own_tokens")
+        nodes.append(sliced)
+        attended = sliced.outputs[0]
         if by_index:  # back from KV rows to the call's rows
             back = ir.node("Gather", [attended, shared["call_rows"]], attributes={"axis": 0}, name=f"layers.{i}.rows")
             nodes.append(back)
@@ -215,6 +226,15 @@ def _to_kv_rows(nodes: list, x, zeros, shared: dict, name: str):
     return node.outputs[0]
 
 
+def _padded(nodes: list, x, shared: dict, name: str):
+    """``x`` ``[rows, seq, width]`` with zero tokens appended up to ``[rows, query, width]``."""
+    import onnx_ir as ir
+
+    node = ir.node("Pad", [x, shared["query_pads"]], name=f"{name}.to_query")
+    nodes.append(node)
+    return node.outputs[0]
+
+
 def _head_norm(graph, nodes: list, x, module: str, attention: AttentionInfo):
     """RMSNorm of each head of ``x`` ``[batch, seq, heads * head_dim]`` with ``<module>.weight``: 3 nodes."""
     import onnx_ir as ir
@@ -277,12 +297,21 @@ def _shared_inputs(graph, inputs, attention: AttentionInfo, rope_positions: int)
     count = op("ReduceSum", op("Cast", row_valid, to=ir.DataType.INT64), axis1, keepdims=0)
     last = op("ReduceMax", positions, axis1, keepdims=0)  # [rows]: -1 for an idle row
     live_row = op("Greater", count, zero)
-    # A live row runs all seq tokens from its first live position p: T = p + seq = last - count + 1 + seq.
-    seqlens_k = op("Where", live_row, op("Sub", op("Add", last, seq), count), zero)
-    query_seqlens = op("Where", live_row, op("Expand", seq, op("Shape", count)), zero)
-    total = op("Max", op("Add", op("ReduceMax", seqlens_k, keepdims=0), one), seq)  # >= every T and seq
+    # The op's tokens per row: seq, at least MIN_QUERY_TOKENS (q, k, v padded with zero tokens).
+    query = op("Max", seq, constant("attn.min_query", np.array(MIN_QUERY_TOKENS, np.int64)))
+    pad_end = op("Unsqueeze", op("Sub", query, seq), axis0)
+    zero_1d = constant("attn.zero_1d", np.array([0], np.int64))
+    pads = op("Concat", constant("attn.pads_begin", np.zeros(4, np.int64)), pad_end, zero_1d, axis=0)  # [0,0,0, 0,q-s,0]
+    # A live row runs all query tokens from its first live position p: T = p + query = last - count + 1 + query.
+    seqlens_k = op("Where", live_row, op("Sub", op("Add", last, query), count), zero)
+    query_seqlens = op("Where", live_row, op("Expand", query, op("Shape", count)), zero)
+    total = op("Max", op("Add", op("ReduceMax", seqlens_k, keepdims=0), one), query)  # >= every T and query
     cos, sin = rope_tables(attention, rope_positions)
     shared = {
+        "query_pads": pads,
+        "zero_1d": zero_1d,
+        "seq_1d": op("Unsqueeze", seq, axis0),
+        "axis1": axis1,
         "live": op("Unsqueeze", valid, axis2),  # [batch, seq, 1]
         "zero": constant("attn.zero_float", np.array(0.0, np.float32)),
         "seqlens_k": op("Cast", seqlens_k, to=ir.DataType.INT32),

@@ -53,7 +53,7 @@ INT8_ACTIVATIONS = 4
 ACCURACY_LEVEL = INT8_ACTIVATIONS
 SYMMETRIC = False
 # Bump when the recipe below changes: cached runtime graphs are keyed by it.
-RECIPE_VERSION = 9
+RECIPE_VERSION = 10
 GRAPH_META = "graph.json"
 # Initializers below this size stay inside the .onnx file.
 EXTERNAL_MIN_BYTES = 1024
@@ -211,7 +211,6 @@ def optimize_graph(
         accuracy_level=accuracy_level if bits else None,
         data_file=source.name + ".data" if bits is None else target.name + ".data",
         weight_bytes=streamed_weight_bytes(target),
-        min_seq_len=2 if bits and accuracy_level == INT8_ACTIVATIONS else 1,
         rope_positions=rope_positions if fusions.get("group_query_attention", 0) else None,
         seconds=round(time.perf_counter() - begin, 2),
     )

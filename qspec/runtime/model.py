@@ -66,9 +66,10 @@ class CompiledModel(LoadedModel):
 
         graph = self.manifest.runtime_graph
         # GroupQueryAttention wants room for a whole padded chunk past a row's first position (see
-        # RuntimeGraph.kv_slack): the buffers get the longest seq_len more slots; positions stay < ctx_len.
-        self.kv_len = self.ctx_len + (max(s.seq_len for s in specs) if graph is not None and graph.kv_slack else 0)
-        if graph is not None and graph.kv_slack and self.kv_len > graph.rope_positions:
+        # RuntimeGraph.kv_slack); positions stay < ctx_len.
+        slack = graph.kv_slack(max(s.seq_len for s in specs)) if graph is not None else 0
+        self.kv_len = self.ctx_len + slack
+        if slack and self.kv_len > graph.rope_positions:
             raise PackageError(
                 f"{self.package}: its graph's RoPE table has {graph.rope_positions} positions, fewer than "
                 f"ctx_len + seq_len = {self.kv_len}; compile the package again"
@@ -90,7 +91,7 @@ class CompiledModel(LoadedModel):
         elif session_mode == "static":
             for spec in specs:
                 # Several sessions in one process: none spins, so an idle one never steals the cores.
-                padded = self._padded(spec)
+                padded = self._session_spec(spec)
                 sessions[spec] = ort_backend.create_session(onnx_path, padded, spinning=False, num_threads=num_threads)
         else:
             raise ValueError(f"session_mode {session_mode!r}: use 'shared' or 'static'")
@@ -103,20 +104,12 @@ class CompiledModel(LoadedModel):
         self.bindings: dict[Specialization, OrtBinding] = {spec: self._bind(spec, sessions[spec]) for spec in specs}
         self._index()
 
-    def _padded(self, spec: Specialization) -> Specialization:
-        """``spec`` as the session runs it: ``ctx_len`` is :attr:`kv_len`, ``seq_len`` widened to the
-        graph's ``min_seq_len`` (int8/int4 graphs: 2).
-
-        The extra columns stay padding (PAD_POSITION), which the contract makes harmless: this only
-        keeps a one-token row on the same kernels as the rows of a K + 1 verify call (see
-        ``RuntimeGraph.min_seq_len``), so speculative greedy output stays exact.
-        """
-        graph = self.manifest.runtime_graph
-        need = graph.min_seq_len if graph is not None else 1
-        return spec.model_copy(update={"seq_len": max(spec.seq_len, need), "ctx_len": self.kv_len})
+    def _session_spec(self, spec: Specialization) -> Specialization:
+        """``spec`` as the session runs it: ``ctx_len`` is :attr:`kv_len`."""
+        return spec.model_copy(update={"ctx_len": self.kv_len})
 
     def _bind(self, spec: Specialization, session: ort.InferenceSession) -> OrtBinding:
-        arrays = host_arrays(self._padded(spec), self.vocab_size, continuous_batching=self.continuous_batching)
+        arrays = host_arrays(self._session_spec(spec), self.vocab_size, continuous_batching=self.continuous_batching)
         binding = session.io_binding()
         values = [ort.OrtValue.ortvalue_from_numpy(arrays[name]) for name in ("input_ids", "position_ids", "logits")]
         binding.bind_ortvalue_input(contract.INPUT_IDS, values[0])
