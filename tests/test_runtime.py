@@ -337,3 +337,42 @@ def test_auto_dispatch_covers_at_batch_one_and_costs_above(packages):
     assert engine.dispatch_for([greedy, sampled]) == "cover"  # seeded sampling must not depend on timings
     with pytest.raises(ConfigError, match="dispatch 'fast': use auto, cover, cost"):
         Engine(packages["0,4"], dispatch="fast")
+
+
+@pytest.mark.parametrize("kind", ["0,4", "cb"])
+def test_prompt_tail_through_decode_shapes_keeps_greedy_output(packages, reference, kind):
+    """A prompt's last tokens run through decode shapes when those calls are timed cheaper (the plan of
+    qspec.runtime.prefill.chunk_shape), through the prefill shape when not: the same greedy output."""
+    from qspec.runtime.prefill import chunk_shape
+
+    outputs, calls = {}, {}
+    for plan in ("decode tail", "prefill only"):
+        engine = Engine(packages[kind], method="pld")
+        model = engine.model
+        if plan == "prefill only":
+            model.call_ms = {}
+        else:  # a decode call at 1 ms, the prefill shape at 100: a tail of t tokens runs ceil(t / 5) K=4 calls
+            model.call_ms = {model.prefill.spec: 100.0, **{b.spec: 1.0 for b in model.decode.values()}}
+            assert chunk_shape(model, 1, 7) == 4 and chunk_shape(model, 1, 8) is None  # 8 = prefill_seq_len
+        before = engine.calls["prefill"]
+        out = engine.generate(PROMPTS, SamplingParams(max_new_tokens=12, ignore_eos=True))
+        outputs[plan] = [o.token_ids for o in out]
+        calls[plan] = engine.calls["prefill"] - before
+    assert outputs["decode tail"] == outputs["prefill only"] == [reference(p, 12) for p in PROMPTS]
+    # prompts of 10, 8, 15, 30, 5 tokens, prefill_seq_len 8: tails of 2, 0, 7, 6, 5 tokens
+    assert calls["decode tail"] > calls["prefill only"]
+
+
+def test_chunk_shape_picks_the_cheapest_way_to_finish(packages):
+    """Measured call times decide: the prefill shape for a full chunk or when decode calls add up to more."""
+    from qspec.runtime.prefill import chunk_shape
+
+    model = Engine(packages["0,1,2,4,8"], method="none").model  # prefill 8; decode seq_len 1, 2, 3, 5, 9
+    model.call_ms = {model.prefill.spec: 10.0, **{b.spec: 2.0 + b.spec.seq_len for b in model.decode.values()}}
+    assert chunk_shape(model, 1, 8) is None  # a full chunk
+    assert chunk_shape(model, 1, 1) == 0  # 3 ms
+    assert chunk_shape(model, 1, 3) == 2  # one seq_len 3 call: 5 ms
+    assert chunk_shape(model, 1, 4) == 4  # one seq_len 5 call: 7 ms (two seq_len 2 calls: 8)
+    assert chunk_shape(model, 1, 7) is None  # 10 ms; two seq_len 5 calls: 14
+    model.call_ms = {}
+    assert chunk_shape(model, 1, 1) is None  # untimed: the prefill shape

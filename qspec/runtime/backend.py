@@ -16,6 +16,7 @@ Backends: ``ort`` (ONNX Runtime on the CPU, :class:`qspec.runtime.model.Compiled
 from __future__ import annotations
 
 import bisect
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,6 +74,7 @@ class LoadedModel(ABC):
     bindings: dict[Specialization, Binding]
     prefill: Binding  # the prefill binding of the largest compute-context-length bucket
     decode: dict[int, Binding]  # K -> binding of the seq_len = K + 1 specialization (largest bucket)
+    call_ms: dict[Specialization, float]  # one timed call of prefill and each decode shape, after warm_up
 
     def _read_package(self, package: str | Path) -> None:
         """Shapes the runtime needs, from the manifest: Ks, ctx_len, KV rows, vocabulary."""
@@ -104,6 +106,7 @@ class LoadedModel(ABC):
         """:attr:`prefill` and :attr:`decode` from :attr:`bindings`."""
         self.prefill = self.bindings[self.prefill_spec]
         self.decode = {k: self.bindings[spec] for k, spec in self.decode_specs.items()}
+        self.call_ms = {}
 
     def prefill_for(self, end: int) -> Binding:
         """The prefill binding of the smallest bucket that holds positions ``< end``."""
@@ -114,13 +117,22 @@ class LoadedModel(ABC):
         return self.bindings[self.bucket_specs[(k, _bucket(self.decode_buckets, end))]]
 
     def warm_up(self) -> None:
-        """Run every specialization once on padding only: the first request pays no set-up.
+        """Run every specialization once on padding only: the first request pays no set-up; then time
+        two more calls of the prefill and each decode shape (:attr:`call_ms`, the faster one: for
+        :func:`qspec.runtime.prefill.chunk_shape`).
 
         Padding rewrites values a slot already holds, so the cache is unchanged.
         """
         for bound in self.bindings.values():
             bound.reset()
             self.run(bound)
+        for bound in (self.prefill, *self.decode.values()):
+            times = []
+            for _ in range(2):
+                begin = time.perf_counter()
+                self.run(bound)
+                times.append((time.perf_counter() - begin) * 1000)
+            self.call_ms[bound.spec] = min(times)
 
     @abstractmethod
     def run(self, bound: Binding) -> np.ndarray:

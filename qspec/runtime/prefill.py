@@ -1,4 +1,5 @@
-"""Prefill over a loaded model: write tokens into KV slots through the prefill shape, chunk by chunk.
+"""Prefill over a loaded model: write tokens into KV slots through the prefill shape, chunk by chunk,
+a prompt's last few tokens through decode shapes when that is faster (:func:`chunk_shape`).
 
 One routine for every caller that fills a cache: the engine (prompts into the target) and the draft
 proposer (a backlog into the draft model).
@@ -6,6 +7,7 @@ proposer (a backlog into the draft model).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -23,9 +25,12 @@ class PrefillRow:
     start: int = 0
 
 
-def _placed(model, bound, rows: list[tuple[int, PrefillRow]]) -> list[tuple[int, int]]:
-    """(row of the prefill call, row index); sets ``bound.batch_index`` under continuous batching."""
-    if bound.batch_index is None:  # one KV row per call row: a row's call row is its slot
+def _placed(model, bound, rows: list[tuple[int, PrefillRow]], *, decode: bool) -> list[tuple[int, int]]:
+    """(row of the call, row index); sets a prefill binding's ``batch_index`` under continuous batching.
+
+    A decode binding keeps the engine's layout (call row = slot, ``batch_index`` the identity).
+    """
+    if bound.batch_index is None or decode:  # one KV row per call row: a row's call row is its slot
         return [(row.slot, i) for i, row in rows]
     used = {row.slot for _, row in rows}
     spare = next((s for s in range(model.rows) if s not in used), 0)
@@ -36,34 +41,63 @@ def _placed(model, bound, rows: list[tuple[int, PrefillRow]]) -> list[tuple[int,
     return [(r, i) for r, (i, _) in enumerate(rows)]
 
 
-def run_prefill(model, rows: Sequence[PrefillRow], on_last: OnLast) -> int:
-    """Write every row's tokens into its slot in chunks of the prefill ``seq_len``; returns the calls made.
+def chunk_shape(model, rows: int, rest: int) -> int | None:
+    """The shape of the next prefill call for ``rows`` rows with at most ``rest`` tokens left: ``None``
+    for the prefill shape, or K for the decode shape ``seq_len = K + 1``.
 
+    A prompt's last tokens go through decode shapes when calls of one finish them sooner than one
+    call of the prefill shape, judged by the calls timed at warm-up (:attr:`LoadedModel.call_ms`):
+    a 66-token prompt with a 64-token prefill shape runs 64 + 2 tokens, not 64 + 64. Untimed models
+    use the prefill shape. The output does not change with the plan: every row's KV and logits are
+    its own tokens' (the contract's padding semantics).
+    """
+    prefill = model.prefill.spec
+    if rest >= prefill.seq_len or prefill not in model.call_ms:
+        return None
+    best_k, best_ms = None, model.call_ms[prefill]
+    for k, bound in sorted(model.decode.items()):
+        spec = bound.spec
+        if spec.batch_size < rows or spec not in model.call_ms:
+            continue
+        ms = math.ceil(rest / spec.seq_len) * model.call_ms[spec]
+        if ms < best_ms:
+            best_k, best_ms = k, ms
+    return best_k
+
+
+def run_prefill(model, rows: Sequence[PrefillRow], on_last: OnLast) -> int:
+    """Write every row's tokens into its slot, chunk by chunk; returns the calls made.
+
+    Chunks are the prefill ``seq_len``, the last one possibly a decode shape (:func:`chunk_shape`).
     Rows go ``batch_size`` per call under continuous batching (all in one call otherwise, each on
     its slot's row). ``on_last(i, logits)`` is called once per row, with the logits after row
     ``i``'s last token, as soon as the chunk holding it has run. Each chunk runs in the smallest
     compute-context-length bucket that holds its positions.
     """
-    chunk = model.prefill.spec.seq_len
     indexed = list(enumerate(rows))
     per_call = model.prefill.spec.batch_size if model.prefill.batch_index is not None else len(indexed)
     calls = 0
     for at in range(0, len(indexed), per_call):
         group = indexed[at : at + per_call]
         longest = max(len(row.tokens) for _, row in group)
-        for offset in range(0, longest, chunk):
-            end = max(row.start + min(len(row.tokens), offset + chunk) for _, row in group)
-            bound = model.prefill_for(end)
-            placed = _placed(model, bound, group)
+        offset = 0
+        while offset < longest:
+            k = chunk_shape(model, len(group), longest - offset)
+            width = model.prefill.spec.seq_len if k is None else k + 1
+            end = max(row.start + min(len(row.tokens), offset + width) for _, row in group)
+            bound = model.prefill_for(end) if k is None else model.decode_for(k, end)
+            placed = _placed(model, bound, group, decode=k is not None)
             bound.reset()
             for r, i in placed:
-                piece = rows[i].tokens[offset : offset + chunk]
+                piece = rows[i].tokens[offset : offset + width]
                 position = rows[i].start + offset
                 bound.input_ids[r, : len(piece)] = piece
                 bound.position_ids[r, : len(piece)] = np.arange(position, position + len(piece))
-            logits = model.run(bound)  # [rows, 1, vocab]: the last real token of each row
+            # [rows, num_logits_to_keep, vocab], right-aligned: [r, -1] follows row r's last real token
+            logits = model.run(bound)
             calls += 1
             for r, i in placed:
-                if offset < len(rows[i].tokens) <= offset + chunk:
-                    on_last(i, logits[r, :1])
+                if offset < len(rows[i].tokens) <= offset + width:
+                    on_last(i, logits[r, -1:])
+            offset += width
     return calls
