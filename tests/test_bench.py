@@ -154,8 +154,11 @@ def test_report_has_targets_micro_and_memory(bench_run):
     _, report, _ = bench_run
     assert all(t.status in ("PASS", "MISS", "n/a") for t in report.targets)
     assert any("peak RSS" in t.target and t.status != "n/a" for t in report.targets)
-    fp32, fp32_b2, int4 = report.micro.packages
+    fp32, vendor, fp32_b2, int4 = report.micro.packages
     assert (fp32.weight_format, fp32_b2.weight_format, int4.weight_format) == ("fp32", "fp32", "int4")
+    # the bucketed fp32 package's model.onnx too: explicit attention, the graph its buckets are for
+    assert (vendor.graph, vendor.batch, vendor.package) == ("vendor", 1, fp32.package)
+    assert [c.specialization for c in vendor.calls] == [c.specialization for c in fp32.calls]
     assert (int4.batch, int4.package) == (1, report.meta.packages["int4@1"])
     # Each package against its own format's floor: packed 4-bit weights stream fewer bytes than fp32.
     assert int4.weight_bytes < fp32.weight_bytes / 2 and int4.floor_ms <= fp32.floor_ms
@@ -332,7 +335,8 @@ def test_plan_quantized_formats_run_batch_1_variable_k_only():
 
 
 def test_micro_targets_against_the_floor_and_the_small_bucket():
-    """K=0 / K=4 against the floor in the full bucket; K=4 at 256 against K=4 at ctx_len."""
+    """K=0 / K=4 against the floor in the full bucket (runtime graph); K=4 at 256 against K=4 at ctx_len on
+    the vendor graph (explicit attention: the bucket bounds its reads), the runtime graph's ratio beside it."""
     from qspec.bench.report import MicroCall, MicroPackage, MicroReport
     from qspec.bench.targets import _micro_targets
 
@@ -341,8 +345,16 @@ def test_micro_targets_against_the_floor_and_the_small_bucket():
 
     calls = [call("K=0@256", 21.0), call("K=4@256", 24.0), call("K=0@1024", 22.0), call("K=4@1024", 32.0)]
     package = MicroPackage(batch=1, package="p", weight_bytes=1, floor_ms=20.0, iterations=1, calls=calls)
-    targets = {t.target: t for t in _micro_targets(MicroReport(copy_bandwidth_gb_s=1.0, packages=[package]))}
+    vendor_calls = [call("K=4@256", 30.0), call("K=4@1024", 50.0)]
+    vendor = MicroPackage(
+        batch=1, graph="vendor", package="p", weight_bytes=1, floor_ms=20.0, iterations=1, calls=vendor_calls
+    )
+    targets = {t.target: t for t in _micro_targets(MicroReport(copy_bandwidth_gb_s=1.0, packages=[package, vendor]))}
     assert targets["K=0 call / weight-streaming floor (fp32, batch 1)"].status == "PASS"  # 22 / 20 = 1.10
     assert targets["K=4 call / weight-streaming floor (fp32, batch 1)"].status == "MISS"  # 32 / 20 = 1.60
-    assert targets["K=4 call, bucket 256 / bucket 1024, positions < 256 (fp32)"].measured.startswith("0.75 x")
+    bucket = targets["K=4 call, bucket 256 / bucket 1024, positions < 256 (fp32, vendor graph)"]
+    assert bucket.status == "PASS" and bucket.measured.startswith("0.60 x")  # 30 / 50
+    assert "runtime graph 0.75 x" in bucket.measured  # 24 / 32
+    without_vendor = _micro_targets(MicroReport(copy_bandwidth_gb_s=1.0, packages=[package]))
+    assert not any(t.target.startswith("K=4 call, bucket") for t in without_vendor)
     assert _micro_targets(None) == []

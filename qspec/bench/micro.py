@@ -49,7 +49,7 @@ def _every_shape(model):
 
 
 def micro_benchmark(
-    model, iterations: int, bandwidth: float, *, batch: int, weight_format: str = "fp32"
+    model, iterations: int, bandwidth: float, *, batch: int, weight_format: str = "fp32", graph: str = "runtime"
 ) -> MicroPackage:
     """One row per specialization of ``model`` (a loaded CompiledModel): median ms and the ratio to its floor."""
     weight_bytes = model.weight_bytes()
@@ -69,6 +69,7 @@ def micro_benchmark(
     return MicroPackage(
         batch=batch,
         weight_format=weight_format,
+        graph=graph,
         package=str(model.package),
         weight_bytes=weight_bytes,
         floor_ms=round(floor_ms, 2),

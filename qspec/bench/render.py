@@ -139,12 +139,15 @@ def _micro(report: BenchReport) -> list[str]:
         "## One call per specialization",
         "",
         f"Copy bandwidth {micro.copy_bandwidth_gb_s} GB/s (numpy copy, read + write counted); "
-        "floor = the package's own weight bytes (its weight format's) / bandwidth.",
+        "floor = the package's own weight bytes (its weight format's) / bandwidth. Graph: the package's "
+        "ONNX Runtime graph (runtime), or model.onnx as the qaic backend compiles it (vendor: explicit "
+        "attention over the compute-context-length bucket's slots).",
         "",
     ]
     rows = [
         [
             p.weight_format,
+            p.graph,
             p.batch,
             c.specialization,
             c.shape,
@@ -156,7 +159,9 @@ def _micro(report: BenchReport) -> list[str]:
         for p in micro.packages
         for c in p.calls
     ]
-    header = ["weights", "batch", "specialization", "shape", "tokens/call", "median ms", "floor ms (bytes)", "x floor"]
+    header = [
+        "weights", "graph", "batch", "specialization", "shape", "tokens/call", "median ms", "floor ms (bytes)", "x floor"
+    ]
     return lines + _table(header, rows)
 
 

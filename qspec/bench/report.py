@@ -99,6 +99,9 @@ class MicroPackage(ReportModel):
 
     batch: int
     weight_format: str = "fp32"
+    # "runtime": the package's ONNX Runtime graph; "vendor": model.onnx, explicit attention over the
+    # compute-context-length slots, as the qaic backend compiles it (timed for the bucket target)
+    graph: str = "runtime"
     package: str
     weight_bytes: int
     floor_ms: float

@@ -142,9 +142,10 @@ def evaluate_targets(
 def _micro_targets(micro: MicroReport | None) -> list[Target]:
     """Batch-1 calls against the weight-streaming floor, and the 256 bucket against the full buffer."""
     batch1 = [p for p in (micro.packages if micro else []) if p.batch == 1 and p.weight_format == "fp32"]
-    if not batch1:
+    runtime = [p for p in batch1 if p.graph == "runtime"]
+    if not runtime:
         return []
-    calls = {c.specialization: c for c in batch1[0].calls}
+    calls = {c.specialization: c for c in runtime[0].calls}
     full = max((name.partition("@")[2] for name in calls), key=lambda c: int(c or 0))
     targets = []
     for k, goal in TARGET_FLOOR.items():
@@ -159,13 +160,18 @@ def _micro_targets(micro: MicroReport | None) -> list[Target]:
                 )
             )
     small, large = calls.get("K=4@256"), calls.get(f"K=4@{full}")
-    if small is not None and large is not None and small is not large:
-        value = small.median_ms / large.median_ms
+    vendor = {c.specialization: c for p in batch1 if p.graph == "vendor" for c in p.calls}
+    v_small, v_large = vendor.get("K=4@256"), vendor.get(f"K=4@{full}")
+    if v_small is not None and v_large is not None and small is not None and large is not None:
+        # The bucket bounds the slots the vendor graph's attention reads (what qaic compiles); the
+        # runtime graph's GroupQueryAttention reads up to each row's position in every bucket.
+        value = v_small.median_ms / v_large.median_ms
         targets.append(
             _target(
-                f"K=4 call, bucket 256 / bucket {full}, positions < 256 (fp32)",
+                f"K=4 call, bucket 256 / bucket {full}, positions < 256 (fp32, vendor graph)",
                 f"<= {TARGET_CCL_RATIO} x",
-                f"{value:.2f} x ({small.median_ms} / {large.median_ms} ms)",
+                f"{value:.2f} x ({v_small.median_ms} / {v_large.median_ms} ms); runtime graph "
+                f"{small.median_ms / large.median_ms:.2f} x ({small.median_ms} / {large.median_ms} ms)",
                 value <= TARGET_CCL_RATIO,
             )
         )

@@ -34,7 +34,7 @@ import onnxruntime as ort
 from qspec import contract
 from qspec.backends import ort as ort_backend
 from qspec.errors import PackageError
-from qspec.package import runtime_graph_file
+from qspec.package import ONNX_FILE, runtime_graph_file
 from qspec.runtime.backend import Binding, LoadedModel, SessionMode, host_arrays
 from qspec.specializations import Specialization
 
@@ -58,13 +58,17 @@ class CompiledModel(LoadedModel):
         session_mode: SessionMode = "shared",
         spinning: bool = True,
         num_threads: int | None = None,
+        vendor_graph: bool = False,
     ):
+        """``vendor_graph``: run ``model.onnx`` (the contract graph the ``qaic`` backend compiles, explicit
+        attention over the compute-context-length slots) instead of the package's runtime graph; the
+        bench times it to show what the buckets save on that graph."""
         self._read_package(package)
         self.session_mode = session_mode
         model = self.manifest.model
         specs = self.manifest.specializations
 
-        graph = self.manifest.runtime_graph
+        graph = None if vendor_graph else self.manifest.runtime_graph
         # GroupQueryAttention wants room for a whole padded chunk past a row's first position (see
         # RuntimeGraph.kv_slack); positions stay < ctx_len.
         slack = graph.kv_slack(max(s.seq_len for s in specs)) if graph is not None else 0
@@ -76,7 +80,7 @@ class CompiledModel(LoadedModel):
             )
 
         begin = time.perf_counter()
-        onnx_path = self.package / runtime_graph_file(self.manifest)  # backend ort: its optimized graph
+        onnx_path = self.package / (ONNX_FILE if vendor_graph else runtime_graph_file(self.manifest))
         sessions: dict[Specialization, ort.InferenceSession] = {}
         if session_mode == "shared":
             fixed = {contract.CTX_LEN: self.kv_len}
