@@ -94,7 +94,10 @@ def fuse_attention(model, attention: AttentionInfo, rope_positions: int, *, pack
                 else None
                 for x, n, name in zip((q, k, v), heads, "qkv")
             )
-        q, k, v = (_padded(nodes, x, shared, f"layers.{i}.{name}") if x is not None else None for x, name in zip((q, k, v), "qkv"))
+        q, k, v = (
+            _padded(nodes, x, shared, f"layers.{i}.{name}") if x is not None else None
+            for x, name in zip((q, k, v), "qkv")
+        )
         past_key, past_value = inputs[contract.past_key(i)], inputs[contract.past_value(i)]
         gqa = ir.node(
             "GroupQueryAttention",
@@ -131,7 +134,11 @@ def fuse_attention(model, attention: AttentionInfo, rope_positions: int, *, pack
         )
         nodes.append(gqa)
         # the call's own tokens: drop the op's padding token (see MIN_QUERY_TOKENS)
-        sliced = ir.node("Slice", [gqa.outputs[0], shared["zero_1d"], shared["seq_1d"], shared["axis1"]], name=f"layers.{i}.own_tokens")
+        sliced = ir.node(
+            "Slice",
+            [gqa.outputs[0], shared["zero_1d"], shared["seq_1d"], shared["axis1"]],
+            name=f"layers.{i}.own_tokens",
+        )
         nodes.append(sliced)
         attended = sliced.outputs[0]
         if by_index:  # back from KV rows to the call's rows
@@ -301,7 +308,8 @@ def _shared_inputs(graph, inputs, attention: AttentionInfo, rope_positions: int)
     query = op("Max", seq, constant("attn.min_query", np.array(MIN_QUERY_TOKENS, np.int64)))
     pad_end = op("Unsqueeze", op("Sub", query, seq), axis0)
     zero_1d = constant("attn.zero_1d", np.array([0], np.int64))
-    pads = op("Concat", constant("attn.pads_begin", np.zeros(4, np.int64)), pad_end, zero_1d, axis=0)  # [0,0,0, 0,q-s,0]
+    pads_begin = constant("attn.pads_begin", np.zeros(4, np.int64))
+    pads = op("Concat", pads_begin, pad_end, zero_1d, axis=0)  # [0, 0, 0, 0, query - seq, 0]
     # A live row runs all query tokens from its first live position p: T = p + query = last - count + 1 + query.
     seqlens_k = op("Where", live_row, op("Sub", op("Add", last, query), count), zero)
     query_seqlens = op("Where", live_row, op("Expand", query, op("Shape", count)), zero)
