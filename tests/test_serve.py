@@ -243,6 +243,7 @@ def test_disconnect_mid_stream_frees_the_slot(server):
         ({"model": "gpt-4", "prompt": "abc"}, 404, ["gpt-4", MODEL]),
         ({"model": MODEL, "prompt": "abc", "max_tokens": -1}, 400, ["max_tokens"]),
         ({"model": MODEL, "prompt": "x" * (CTX + 10)}, 400, [str(CTX + 10), str(CTX)]),
+        ({"model": MODEL, "prompt": "abc", "max_tokens": CTX}, 400, ["max_tokens", str(CTX), str(CTX + 3)]),
         ({"model": MODEL, "prompt": "abc", "n": 2}, 400, ["n=2"]),
         ({"model": MODEL, "prompt": "abc", "frobnicate": 1}, 400, ["frobnicate"]),
         ({"model": MODEL, "prompt": "abc", "presence_penalty": 0.5}, 400, ["presence_penalty"]),

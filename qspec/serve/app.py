@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from qspec.runtime.engine import Engine, RequestDelta
-from qspec.serve.errors import error_response, install_error_handlers, model_not_found
+from qspec.serve.errors import context_exceeded, error_response, install_error_handlers, model_not_found
 from qspec.serve.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -81,7 +81,10 @@ class Frontend:
         if body.model != self.name:
             raise model_not_found(body.model, self.name)
         self.engine.check_prompt(prompt_ids)
-        params = body.sampling_params(prompt_tokens=len(prompt_ids), ctx_len=self.engine.model.ctx_len)
+        ctx_len, budget = self.engine.model.ctx_len, body.requested_tokens()
+        if budget is not None and len(prompt_ids) + budget > ctx_len:
+            raise context_exceeded(len(prompt_ids), budget, ctx_len)
+        params = body.sampling_params(prompt_tokens=len(prompt_ids), ctx_len=ctx_len)
         ticket = Ticket(prompt_ids, params, asyncio.get_running_loop())
         self.worker.submit(ticket)
         return ticket

@@ -31,6 +31,17 @@ class ServeError(QSpecError):
         self.status, self.code, self.param = status, code, param
 
 
+def context_exceeded(prompt_tokens: int, max_tokens: int, ctx_len: int) -> ServeError:
+    """vLLM's rule: the prompt plus ``max_tokens`` must fit the model's context (400)."""
+    return ServeError(
+        f"this model's maximum context length is {ctx_len} tokens, but the request asks for "
+        f"{prompt_tokens + max_tokens} ({prompt_tokens} in the prompt, {max_tokens} in max_tokens); "
+        "lower max_tokens or shorten the prompt",
+        code="context_length_exceeded",
+        param="max_tokens",
+    )
+
+
 def model_not_found(name: str, served: str) -> ServeError:
     return ServeError(
         f"model {name!r} does not exist; this server serves {served!r}",
