@@ -7,8 +7,9 @@ only, in this order:
 1. **fuse** (``onnxscript.rewriter.ort_fusions``): RMSNorm -> ``SimplifiedLayerNormalization`` and
    residual Add + RMSNorm -> ``SkipSimplifiedLayerNormalization``. ONNX Runtime's own RMSNorm
    fusion expects ``Sqrt -> Div`` and never matches the dynamo exporter's ``Reciprocal(Sqrt)``.
-   Attention is not fused: the contract's position-driven KV write, free rejected drafts and
-   harmless padding rows are not what ``GroupQueryAttention``'s own KV handling does.
+   With the export's :class:`AttentionInfo`, each layer's attention becomes one
+   ``GroupQueryAttention`` node (:mod:`qspec.backends.ort_attention`, which maps the contract's
+   position-driven KV write and padding onto it; q, k, v packed into one MatMul when quantized).
 
 ``fp32`` stops here: the fused graph reads its weights from the vendor graph's ``model.onnx.data``
 (same names, same offsets), so a package holds its weights once, and the session-level
