@@ -41,7 +41,7 @@ class Binding:
     input_ids: np.ndarray  # [batch_size, seq_len]
     position_ids: np.ndarray  # [batch_size, seq_len]
     batch_index: np.ndarray | None  # [batch_size, 1], continuous batching only
-    logits: np.ndarray  # [batch_size, num_logits_to_keep, vocab]
+    logits: np.ndarray  # [batch_size, num_logits_to_keep, vocab]: each row's last real tokens, right-aligned
     comp_ctx_lengths: np.ndarray | None = None  # [comp_ctx_lengths]: only its length matters
 
     def reset(self) -> None:
