@@ -24,7 +24,6 @@ from qspec.common import FrozenModel
 from qspec.errors import QSpecError
 from qspec.package import (
     MANIFEST,
-    MIN_QUERY_TOKENS,
     ONNX_FILE,
     ORT_ONNX_FILE,
     SPECIALIZATIONS_FILE,
@@ -34,6 +33,7 @@ from qspec.package import (
     ModelEntry,
     SessionCheck,
     WeightFormat,
+    attention_slack,
     copy_file,
     dump_manifest,
     read_manifest,
@@ -164,7 +164,7 @@ def compile_package(
             options.weight_format,
             progress=say,
             attention=meta.model.attention,
-            positions=spec_config.ctx_len + max(MIN_QUERY_TOKENS, *(spec.seq_len for spec in specs)),
+            positions=spec_config.ctx_len + attention_slack(max(spec.seq_len for spec in specs)),
         )
 
     def build(folder: Path) -> None:

@@ -45,6 +45,13 @@ WeightFormat = Literal["fp32", "int8", "int4"]
 MIN_QUERY_TOKENS = 2
 
 
+def attention_slack(longest_seq_len: int) -> int:
+    """KV slots a GroupQueryAttention graph needs beyond ``ctx_len`` for calls of up to ``longest_seq_len``
+    tokens (and RoPE rows beyond it): a whole padded chunk of ``max(seq_len, MIN_QUERY_TOKENS)`` tokens
+    past a row's first position."""
+    return max(longest_seq_len, MIN_QUERY_TOKENS)
+
+
 class AttentionInfo(BaseModel):
     """How the model attends, for a runtime that fuses attention into one op (RoPE table, heads, windows)."""
 
@@ -110,12 +117,9 @@ class RuntimeGraph(BaseModel):
     seconds: float
 
     def kv_slack(self, longest_seq_len: int) -> int:
-        """Slots the runtime's KV buffers need beyond ``ctx_len`` for calls of up to ``longest_seq_len`` tokens.
-
-        GroupQueryAttention wants room for a whole padded chunk of ``max(seq_len, MIN_QUERY_TOKENS)``
-        tokens past a row's first position; the vendor graph's attention needs none.
-        """
-        return max(longest_seq_len, MIN_QUERY_TOKENS) if self.rope_positions is not None else 0
+        """Slots the runtime's KV buffers need beyond ``ctx_len`` for calls of up to ``longest_seq_len`` tokens:
+        :func:`attention_slack` for a GroupQueryAttention graph; the vendor graph's attention needs none."""
+        return attention_slack(longest_seq_len) if self.rope_positions is not None else 0
 
 
 class SessionCheck(BaseModel):

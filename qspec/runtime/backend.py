@@ -74,7 +74,7 @@ class LoadedModel(ABC):
     bindings: dict[Specialization, Binding]
     prefill: Binding  # the prefill binding of the largest compute-context-length bucket
     decode: dict[int, Binding]  # K -> binding of the seq_len = K + 1 specialization (largest bucket)
-    call_ms: dict[Specialization, float]  # one timed call of prefill and each decode shape, after warm_up
+    call_ms: dict[Specialization, float]  # prefill and each decode shape: the faster of two timed calls, after warm_up
 
     def _read_package(self, package: str | Path) -> None:
         """Shapes the runtime needs, from the manifest: Ks, ctx_len, KV rows, vocabulary."""
