@@ -130,11 +130,16 @@ def test_runtime_graph_attends_with_one_group_query_attention_per_layer(packages
 
 
 def test_fp32_runtime_graph_reads_the_vendor_graphs_weights(packages):
-    """fp32 stores its weights once: every external initializer of model.ort.onnx points into model.onnx.data."""
+    """fp32 stores its weights once: the packed q/k/v weights are inline in model.ort.onnx, every external
+    initializer points into model.onnx.data, and the separate q/k/v weights are not read."""
     package = packages["fp32"]["0,4"]
     assert read_manifest(package).runtime_graph.data_file == ONNX_FILE + ".data"
     assert not (package / (ORT_ONNX_FILE + ".data")).exists()
     proto = onnx.load(str(package / ORT_ONNX_FILE), load_external_data=False)
+    assert matmul_ops(package)["MatMul"] == 2 * 5 + 1  # 2 layers x (qkv, o, gate, up, down) + the LM head
+    names = {tensor.name for tensor in proto.graph.initializer}
+    assert {f"model.layers.{i}.self_attn.qkv_proj.weight" for i in range(2)} <= names
+    assert not any(f".{x}_proj." in name for name in names for x in "qkv")
     places = {
         entry.value for tensor in proto.graph.initializer for entry in tensor.external_data if entry.key == "location"
     }

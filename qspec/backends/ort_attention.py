@@ -68,9 +68,10 @@ def fuse_attention(model, attention: AttentionInfo, rope_positions: int, *, pack
     """Replace every layer's attention of an ``onnx_ir`` model with ``GroupQueryAttention``; returns how many.
 
     ``rope_positions``: rows of the RoPE table, at least ``ctx_len`` plus the longest ``seq_len``.
-    ``pack_qkv``: one MatMul for q, k and v (their weights side by side, fed to the op as packed QKV),
-    for graphs that hold their own weights (quantized ones: a block-wise quantizer quantizes each
-    output column alone, so the packed weight quantizes to the same values). Not with q/k norm.
+    ``pack_qkv``: one MatMul for q, k and v (their weights side by side, fed to the op as packed QKV):
+    one MatMul and one ``Pad`` per layer instead of three each (fp32 SmolLM2: 60 + 60 nodes fewer per
+    call). Each output column is computed alone (a block-wise quantizer also quantizes each column on
+    its own, so a packed weight quantizes to the same values). Not with q/k norm.
     """
     import onnx_ir as ir
 
