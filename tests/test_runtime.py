@@ -376,3 +376,22 @@ def test_chunk_shape_picks_the_cheapest_way_to_finish(packages):
     assert chunk_shape(model, 1, 7) is None  # 10 ms; two seq_len 5 calls: 14
     model.call_ms = {}
     assert chunk_shape(model, 1, 1) is None  # untimed: the prefill shape
+
+
+def test_text_stream_decodes_incrementally_to_the_whole_text(tmp_path):
+    """Fed a token at a time, multi-byte characters split across tokens included, the stream's pieces
+    add up to the decoded output, and no piece holds half a character."""
+    from qspec.runtime.tokenizer import TextStream, Tokenizer
+    from tests.conftest import byte_tokenizer
+
+    byte_tokenizer().save_pretrained(tmp_path)
+    tokenizer = Tokenizer(tmp_path)
+    text = "héllo wörld, 你好 🙂 end\n  two  spaces"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) > len(text)  # byte tokens: the multi-byte characters span several
+    stream = TextStream(tokenizer)
+    pieces = [stream.push([token]) for token in ids]
+    assert "".join(pieces) == stream.text == tokenizer.decode(ids) == text
+    assert all("\ufffd" not in piece for piece in pieces) and pieces.count("") >= 6  # held back mid-character
+    assert stream.push(ids[:3]) == "hé"  # several tokens at once: h and the two bytes of é
+    assert stream.text == text + "hé"

@@ -85,18 +85,27 @@ class Tokenizer:
 
 
 class TextStream:
-    """Incremental detokenization: feed token ids, get the new text (held back mid-character)."""
+    """Incremental detokenization: feed token ids, get the new text (held back mid-character).
+
+    Each push decodes only the tokens since the last text it returned, with the tokens of the text
+    before that as context (as vLLM does): ``decode(ids[prefix:])`` minus ``decode(ids[prefix:read])``.
+    Decoding everything at every step grew with the output (0.1 ms a token at 128 tokens).
+    """
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self.text = ""
+        self._prefix = 0  # ids[_prefix:_read]: the context, already in text
+        self._read = 0  # ids[_read:]: not yet in text
 
     def push(self, ids) -> str:
         self.ids.extend(int(i) for i in ids)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+        before = self.tokenizer.decode(self.ids[self._prefix : self._read])
+        text = self.tokenizer.decode(self.ids[self._prefix :])
+        if text.endswith("\ufffd") or len(text) <= len(before):  # an incomplete UTF-8 sequence, or nothing yet
             return ""
-        new = text[len(self.text) :] if text.startswith(self.text) else text
-        self.text = text
+        new = text[len(before) :]
+        self._prefix, self._read = self._read, len(self.ids)
+        self.text += new
         return new
