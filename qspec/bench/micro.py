@@ -15,8 +15,8 @@ import numpy as np
 from qspec.bench.report import MicroCall, MicroPackage
 
 
-def time_call(model, bound, iterations: int, *, warmup: int = 3) -> float:
-    """Median ms of ``iterations`` calls of one specialization, every row a live token run.
+def prepare_call(model, bound) -> None:
+    """Write a timed call's inputs into ``bound``: every row a live token run.
 
     Rows end at position 255 (or at the bucket's or buffer's end, if smaller), so shapes that differ
     only in their compute-context-length bucket are timed at the same positions.
@@ -27,14 +27,30 @@ def time_call(model, bound, iterations: int, *, warmup: int = 3) -> float:
     bound.position_ids[:] = np.arange(start, start + seq)
     if bound.batch_index is not None:
         bound.batch_index[:, 0] = np.arange(rows)
-    for _ in range(warmup):
-        model.run(bound)
-    times = []
-    for _ in range(iterations):
-        begin = time.perf_counter()
-        model.run(bound)
-        times.append(time.perf_counter() - begin)
-    return median(times) * 1000
+
+
+def time_calls(model, bounds: list, iterations: int, *, rounds: int = 5, warmup: int = 3) -> list[float]:
+    """Median ms of ``iterations`` calls of each specialization in ``bounds``, timed interleaved.
+
+    The calls run in ``rounds`` rounds, each a share of every specialization's calls in turn, so a
+    ratio between two specializations is not the machine's speed drifting between them (a shared
+    VM's speed moves by 10 % over minutes).
+    """
+    for bound in bounds:
+        prepare_call(model, bound)
+        for _ in range(warmup):
+            model.run(bound)
+    rounds = max(1, min(rounds, iterations))
+    times: list[list[float]] = [[] for _ in bounds]
+    for r in range(rounds):
+        share = iterations // rounds + (r < iterations % rounds)
+        for bound, took in zip(bounds, times):
+            prepare_call(model, bound)  # the shapes share the KV buffer, not their inputs
+            for _ in range(share):
+                begin = time.perf_counter()
+                model.run(bound)
+                took.append(time.perf_counter() - begin)
+    return [median(took) * 1000 for took in times]
 
 
 def _every_shape(model):
@@ -55,8 +71,9 @@ def micro_benchmark(
     weight_bytes = model.weight_bytes()
     floor_ms = weight_bytes / bandwidth * 1000
     calls = []
-    for name, bound in _every_shape(model):
-        ms = time_call(model, bound, iterations)
+    shapes = list(_every_shape(model))
+    timed = time_calls(model, [bound for _, bound in shapes], iterations)
+    for (name, bound), ms in zip(shapes, timed):
         calls.append(
             MicroCall(
                 specialization=name,
