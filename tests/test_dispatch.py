@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from qspec.runtime.dispatch import AcceptanceStats, expected_tokens, pick_k_by_cost
+from qspec.runtime.dispatch import AcceptanceStats, CallCosts, expected_tokens, pick_k_by_cost
 
 COSTS = {0: 40.0, 4: 80.0}
 
@@ -50,7 +50,7 @@ def test_none_at_batch_4_runs_k0_whatever_the_measured_costs(tiny_model, tmp_pat
     config = make_config(num_speculative_tokens="0,4", prefill_seq_len=8, ctx_len=64, full_batch_size=4)
     package, _, _ = compile_package(tiny_model("llama"), CompileOptions(specialization=config), output=tmp_path / "pkg")
     engine = Engine(package, method="none")
-    engine.call_ms = {0: 50.0, 4: 10.0}  # as a noisy warm-up could leave them
+    engine.call_ms = CallCosts({0: 50.0, 4: 10.0})  # as a noisy warm-up could leave them
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     engine.generate(["abc", "def", "ghi", "jkl"], params)
     calls = engine.last_metrics.calls
@@ -66,3 +66,31 @@ def test_acceptance_stats_count_only_tried_drafts():
     assert tried.tolist() == [1, 1, 0, 0]
     assert accepted.tolist() == [1, 0, 0, 0]
     assert stats.chain()[0] == 2.0 / 3.0  # (1 + 1) / (2 + 1)
+
+
+def test_call_costs_follow_the_calls_not_one_outlier():
+    """The price is the median of the recent calls, the warm-up's measurement the first of them."""
+    costs = CallCosts({0: 10.0, 4: 1.0}, window=5)
+    for ms in (30.0, 31.0, 500.0, 29.0):  # one outlier among the real calls
+        costs.observe(4, ms)
+    assert costs[4] == 30.0 and costs[0] == 10.0 and dict(costs) == {0: 10.0, 4: 30.0}
+
+
+def test_cost_dispatch_learns_a_k_priced_too_low(tiny_model, tmp_path):
+    """pld at 4 slots whose warm-up priced K=4 at almost nothing: its calls teach the real price, so
+    K=4 stops looking free, and the output is `none`'s."""
+    from qspec.compile import CompileOptions, compile_package
+    from qspec.runtime import Engine, SamplingParams
+    from qspec.specializations import make_config
+
+    config = make_config(num_speculative_tokens="0,4", prefill_seq_len=8, ctx_len=64, full_batch_size=4)
+    package, _, _ = compile_package(tiny_model("llama"), CompileOptions(specialization=config), output=tmp_path / "pkg")
+    prompts = [[5, 6, 7, 8] * 3, [9, 10, 11] * 4, [20, 21] * 5, [30, 31, 32, 33, 34] * 2]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    plain = [out.token_ids for out in Engine(package, method="none").generate(prompts, params)]
+    engine = Engine(package, method="pld")
+    assert isinstance(engine.call_ms, CallCosts)
+    engine.call_ms = CallCosts({0: engine.call_ms[0], 4: 1e-6})
+    assert [out.token_ids for out in engine.generate(prompts, params)] == plain
+    assert engine.last_metrics.calls["4"] > 0  # it ran K=4 while it looked free ...
+    assert engine.call_ms[4] > 1e-3  # ... and learned what a call costs

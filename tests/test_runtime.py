@@ -325,7 +325,7 @@ def test_compute_context_buckets_keep_greedy_output(model, tmp_path, reference, 
 
 
 def test_auto_dispatch_covers_at_batch_one_and_costs_above(packages):
-    """`auto` is `cost` for a step of several greedy rows, `cover` with one row or a sampling one."""
+    """`auto` is `cost` for greedy steps on a package with several slots, `cover` on one slot or when one samples."""
     from types import SimpleNamespace
 
     assert Engine(packages["0,4"], method="pld").dispatch == "cover"
@@ -333,7 +333,7 @@ def test_auto_dispatch_covers_at_batch_one_and_costs_above(packages):
     engine = Engine(packages["cb"], method="pld")
     greedy, sampled = SimpleNamespace(params=SamplingParams()), SimpleNamespace(params=SamplingParams(temperature=0.7))
     assert engine.dispatch_for([greedy, greedy]) == "cost"
-    assert engine.dispatch_for([greedy]) == "cover"
+    assert engine.dispatch_for([greedy]) == "cost"  # the last request alone still pays for every slot
     assert engine.dispatch_for([greedy, sampled]) == "cover"  # seeded sampling must not depend on timings
     with pytest.raises(ConfigError, match="dispatch 'fast': use auto, cover, cost"):
         Engine(packages["0,4"], dispatch="fast")

@@ -13,19 +13,24 @@ Example: Ks ``[0, 4]``, costs 40 / 80 ms, two rows with 4 and 0 drafts, every ``
 K=0 gives 2 tokens / 40 ms = 0.050; K=4 gives 2 + (0.5 + 0.25 + 0.125 + 0.0625) = 2.94 tokens /
 80 ms = 0.037, so K=0 runs and the drafts are dropped. With ``c_i = 0.9`` K=4 gives 5.10 / 80 =
 0.064 and wins. Cutting drafts never changes the output, only the speed.
+
+The costs start as the warm-up's calls on padding and then follow the engine's own calls
+(:class:`CallCosts`): a padding call skips attention, and three calls at start-up on a noisy machine
+once priced batch-4 K=4 low enough that ``pld`` at 4 sequences ran 0.76x ``none``.
 """
 
 from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Mapping, Sequence
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
 from qspec.errors import ConfigError
 
-DISPATCH_MODES = ("auto", "cover", "cost")  # auto: cover with one sequence in flight, cost with more
+DISPATCH_MODES = ("auto", "cover", "cost")  # auto: cover on a one-slot package, cost (greedy) on more
 PRIOR_ACCEPTED = 1.0  # a weak prior of c_i = 0.5 until drafts have been verified
 PRIOR_TRIED = 2.0
 
@@ -93,6 +98,30 @@ def pick_k_by_cost(ks: Sequence[int], costs_ms: Mapping[int, float], lengths: Se
         if rate > best_rate + 1e-12:
             best_k, best_rate = k, rate
     return best_k
+
+
+class CallCosts(Mapping[int, float]):
+    """Each K's price in ms for ``cost`` dispatch: the median of its last ``window`` calls, seeded with
+    the warm-up's measurement, so the price is what calls really cost (their positions, live rows and
+    attention) and one slow call does not move it."""
+
+    def __init__(self, measured: Mapping[int, float], window: int = 9):
+        self._recent = {k: deque([float(ms)], maxlen=window) for k, ms in measured.items()}
+        self._price = {k: float(ms) for k, ms in measured.items()}
+
+    def observe(self, k: int, ms: float) -> None:
+        recent = self._recent[k]
+        recent.append(ms)
+        self._price[k] = float(np.median(recent))
+
+    def __getitem__(self, k: int) -> float:
+        return self._price[k]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._price)
+
+    def __len__(self) -> int:
+        return len(self._price)
 
 
 class AcceptanceStats:

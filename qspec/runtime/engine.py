@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ from qspec.runtime.backend import LoadedModel, SessionMode, load_model
 from qspec.runtime.dispatch import (
     DISPATCH_MODES,
     AcceptanceStats,
+    CallCosts,
     measure_costs,
     pick_k,
     pick_k_by_cost,
@@ -96,10 +97,12 @@ class Engine:
         ``num_speculative_tokens`` restricts dispatch to a subset of the compiled Ks (default: all).
         ``dispatch``: ``cover`` runs the smallest K covering the longest proposal; ``cost`` the K
         with the most expected tokens per ms (see :mod:`qspec.runtime.dispatch`); ``auto`` (default)
-        is ``cost`` for a step with several greedy sequences, where one long proposal would make every
-        row pay for K + 1 tokens (measured: batch-4 cover 0.71x none, cost 1.04x), and ``cover``
-        otherwise: with one sequence, and whenever one samples, since ``cost`` depends on measured
-        call times and a seeded sampled request must give the same tokens every run.
+        is ``cost`` for greedy steps on a package with several KV slots, where every call pays for all
+        of them at K + 1 tokens (measured: batch-4 cover 0.71x none, cost 1.04x; the last request in
+        flight alone at ``cover`` ran K=8 calls of four rows and took ``pld`` [0,1,2,4,8] to 0.76-0.93x
+        ``none``), and ``cover`` otherwise: on a one-slot package, and whenever one samples, since
+        ``cost`` depends on measured call times and a seeded sampled request must give the same
+        tokens every run.
         ``max_batch_size`` caps the sequences in flight (default: every KV slot of the package).
         ``backend``: where the package runs, ``ort`` (ONNX Runtime, CPU) or ``qaic`` (its QPC on Cloud
         AI 100, :mod:`qspec.runtime.qaic`); the engine is the same on both.
@@ -143,11 +146,14 @@ class Engine:
         self._next_id = 0
         self.call_ms = self.warmup()
 
-    def warmup(self, repeats: int = 3) -> dict[int, float]:
+    def warmup(self, repeats: int = 3) -> Mapping[int, float]:
         """Run every specialization on padding (the first request pays no set-up); returns each decode K's
-        price for ``cost`` dispatch (measured only when it may dispatch by cost)."""
+        price for ``cost`` dispatch: measured, then following the engine's calls (:class:`CallCosts`),
+        when it may dispatch by cost; else K + 1."""
         self.model.warm_up()
-        return measure_costs(self.model, self.ks, repeats if self.dispatch in ("cost", "auto") else 0)
+        if self.dispatch not in ("cost", "auto"):
+            return measure_costs(self.model, self.ks, 0)
+        return CallCosts(measure_costs(self.model, self.ks, repeats))
 
     # ------------------------------------------------------------------ phases
 
@@ -184,7 +190,11 @@ class Engine:
             bound.input_ids[seq.slot, 1 : n + 1] = drafts
             bound.position_ids[seq.slot, : n + 1] = np.arange(seq.position, seq.position + n + 1)
         self.calls[k] += 1
-        return self.model.run(bound)
+        begin = time.perf_counter()
+        logits = self.model.run(bound)
+        if isinstance(self.call_ms, CallCosts):
+            self.call_ms.observe(k, (time.perf_counter() - begin) * 1000)
+        return logits
 
     def accept(self, seq: SequenceState, proposal: Proposal, logits: np.ndarray) -> list[int]:
         """Accepted drafts plus the bonus, from this row's ``[n + 1, vocab]`` logits."""
@@ -202,10 +212,10 @@ class Engine:
         return [*drafts[:accepted].tolist(), int(bonus)]
 
     def dispatch_for(self, live: list[SequenceState]) -> str:
-        """``cover`` or ``cost`` for this step (``auto``: cost only for several greedy sequences)."""
+        """``cover`` or ``cost`` for this step (``auto``, several KV slots: cost when every sequence is greedy)."""
         if self.dispatch != "auto":
             return self.dispatch
-        return "cost" if len(live) > 1 and all(seq.params.greedy for seq in live) else "cover"
+        return "cost" if all(seq.params.greedy for seq in live) else "cover"
 
     def decode(self, live: list[SequenceState]) -> None:
         """One decode step for every live sequence: propose, pick K, verify, accept."""
