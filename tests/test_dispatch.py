@@ -94,3 +94,15 @@ def test_cost_dispatch_learns_a_k_priced_too_low(tiny_model, tmp_path):
     assert [out.token_ids for out in engine.generate(prompts, params)] == plain
     assert engine.last_metrics.calls["4"] > 0  # it ran K=4 while it looked free ...
     assert engine.call_ms[4] > 1e-3  # ... and learned what a call costs
+
+
+def test_a_larger_k_must_beat_the_smaller_by_the_margin():
+    """K=4 promising 5 % more tokens per ms than K=0 does not run; 20 % more does."""
+    from qspec.runtime.dispatch import MARGIN
+
+    chain = np.cumprod([0.5] * 4)  # one drafting row of four: 1 + 0.9375 expected tokens, the other 1
+    tokens4 = expected_tokens([4, 0], 4, chain)
+    for gain, k in ((1.05, 0), (1.2, 4)):
+        costs = {0: 10.0, 4: 10.0 * tokens4 / 2 / gain}  # K=4's rate = gain x K=0's 2 tokens / 10 ms
+        assert pick_k_by_cost([0, 4], costs, [4, 0], chain) == k
+    assert 1.05 < MARGIN < 1.2
