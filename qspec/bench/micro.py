@@ -36,7 +36,7 @@ def time_calls(model, bounds: list, iterations: int, *, rounds: int = 5, warmup:
     ratio between two specializations is not the machine's speed drifting between them (a shared
     VM's speed moves by 10 % over minutes).
     """
-    for bound in bounds:
+    for bound in bounds:  # each binding keeps its own inputs; the shapes share only the KV buffer
         prepare_call(model, bound)
         for _ in range(warmup):
             model.run(bound)
@@ -45,7 +45,6 @@ def time_calls(model, bounds: list, iterations: int, *, rounds: int = 5, warmup:
     for r in range(rounds):
         share = iterations // rounds + (r < iterations % rounds)
         for bound, took in zip(bounds, times):
-            prepare_call(model, bound)  # the shapes share the KV buffer, not their inputs
             for _ in range(share):
                 begin = time.perf_counter()
                 model.run(bound)
