@@ -106,3 +106,61 @@ def test_a_larger_k_must_beat_the_smaller_by_the_margin():
         costs = {0: 10.0, 4: 10.0 * tokens4 / 2 / gain}  # K=4's rate = gain x K=0's 2 tokens / 10 ms
         assert pick_k_by_cost([0, 4], costs, [4, 0], chain) == k
     assert 1.05 < MARGIN < 1.2
+
+
+def live_price(k: int, live_tokens: int) -> float:
+    """A graph whose MatMuls run on live tokens only: 16 ms a call plus 1.4 ms a live token."""
+    return 16.0 + 1.4 * live_tokens
+
+
+def test_drafts_priced_by_live_tokens_pay_where_padded_rows_do_not():
+    """One row of four drafting at c_i = 0.8: on a graph that pads every row to K + 1 tokens the K=4
+    call costs 20 tokens and K=0 runs; when only live tokens cost, drafts cost what they are and K=4 runs
+    (3 drafts: 5.95 tokens / 25.8 ms; the 4th adds 1 % more tokens per ms, under the margin)."""
+    from qspec.runtime.dispatch import plan_by_cost
+
+    chain = np.cumprod([0.8] * 4)
+    padded = {k: live_price(k, 4 * (k + 1)) for k in (0, 4)}
+    assert pick_k_by_cost([0, 4], padded, [4, 0, 0, 0], chain) == 0
+    assert plan_by_cost([0, 4], live_price, [4, 0, 0, 0], chain) == (4, 3)
+
+
+def test_rows_cut_to_the_depth_that_pays_inside_a_larger_k():
+    """Two rows with 8 drafts whose third is rarely accepted: both verify 2 drafts in the K=8 call
+    (7.42 tokens / 27.2 ms beats 1 draft's 5.8 / 24.4 by the margin, 3 drafts' 7.91 / 30.0 does not)."""
+    from qspec.runtime.dispatch import plan_by_cost
+
+    chain = np.cumprod([0.9, 0.9, 0.3, 0.1, 0.1, 0.1, 0.1, 0.1])
+    assert plan_by_cost([0, 8], live_price, [8, 8, 0, 0], chain) == (8, 2)
+    assert plan_by_cost([0, 8], lambda k, live: 40.0 if k else 21.6, [8, 8, 0, 0], chain) == (0, 0)
+
+
+def test_call_costs_price_live_tokens():
+    """With a price per live token, each call's remainder is what the median follows."""
+    costs = CallCosts({0: 21.6, 4: 44.0}, per_token=1.4, measured_tokens={0: 4, 4: 20})
+    assert costs.price(4, 20) == 44.0 and round(costs.price(4, 8), 6) == 27.2
+    for live in (5, 6, 7, 8):
+        costs.observe(4, 20.0 + 1.4 * live, live)  # the calls cost 4 ms less than the warm-up said
+    assert round(costs.price(4, 8), 6) == 31.2 and round(costs.price(0, 4), 6) == 21.6
+
+
+def test_cost_dispatch_keeps_verifying_drafts_it_priced_out(tiny_model, tmp_path):
+    """pld at 4 slots whose acceptance estimate says drafts never pass: every EXPLORE_EVERY steps with
+    drafts on offer one step verifies one draft a row, so the estimate can recover; output is `none`'s."""
+    from qspec.compile import CompileOptions, compile_package
+    from qspec.runtime import Engine, SamplingParams
+    from qspec.runtime.dispatch import EXPLORE_EVERY
+    from qspec.specializations import make_config
+
+    config = make_config(num_speculative_tokens="0,4", prefill_seq_len=8, ctx_len=64, full_batch_size=4)
+    package, _, _ = compile_package(tiny_model("llama"), CompileOptions(specialization=config), output=tmp_path / "pkg")
+    prompts = [[5, 6, 7, 8] * 3, [9, 10, 11] * 4, [20, 21] * 5, [30, 31, 32, 33, 34] * 2]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    plain = [out.token_ids for out in Engine(package, method="none").generate(prompts, params)]
+    engine = Engine(package, method="pld")
+    assert engine.model.packs_live_tokens  # a continuous-batching runtime graph prices live tokens
+    engine.stats.accepted[:] = 1e-9  # as if every draft so far had been rejected
+    engine.stats.tried[:] = 1e9
+    assert [out.token_ids for out in engine.generate(prompts, params)] == plain
+    metrics = engine.last_metrics
+    assert 0 < metrics.calls["4"] <= metrics.calls["0"] // (EXPLORE_EVERY - 1) + 1

@@ -9,6 +9,7 @@ import json
 import shutil
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 import torch
@@ -199,6 +200,30 @@ def test_continuous_batching_variant(exported, graph_kind):
     np.testing.assert_allclose(out[0, 0], reference_logits(model_dir, seqs[0])[4], atol=TOL)
     np.testing.assert_allclose(out[2, 0], reference_logits(model_dir, seqs[2])[4], atol=TOL)
     assert not any(np.any(v[1]) for v in graph.kv.values())  # the empty row was never written
+
+
+@pytest.mark.parametrize("graph_kind", GRAPHS)
+def test_continuous_batching_rows_of_unequal_lengths(exported, graph_kind):
+    """One call verifying three tokens on one row, one on another and nothing on a third (the runtime
+    graph runs its MatMuls on the four live tokens only) gives each row its own logits; an all-padding
+    call runs and writes nothing."""
+    model_dir, folder, meta = exported("llama", continuous_batching=True)
+    rng = np.random.default_rng(11)
+    seqs = rng.integers(3, 259, size=(3, 7)).tolist()
+    graph = Graph(folder, meta, rows=3, graph=graph_kind)
+    for row in (0, 2):
+        graph.run([seqs[row][:4]], [[0, 1, 2, 3]], keep=1, batch_index=[row])
+    before = {name: value.copy() for name, value in graph.kv.items()}
+    graph.run([[0, 0, 0]] * 3, [[-1, -1, -1]] * 3, keep=3, batch_index=[0, 1, 2])
+    assert all(np.array_equal(graph.kv[name][:, :, :CTX], before[name][:, :, :CTX]) for name in before)
+    ids = [seqs[2][4:7], [0, 0, 0], [seqs[0][4], 0, 0]]  # call rows 0, 1, 2 on KV rows 2, 1, 0
+    out = graph.run(ids, [[4, 5, 6], [-1, -1, -1], [4, -1, -1]], keep=3, batch_index=[2, 1, 0])
+    np.testing.assert_allclose(out[0], reference_logits(model_dir, seqs[2][:7])[4:7], atol=TOL)
+    np.testing.assert_allclose(out[2, -1], reference_logits(model_dir, seqs[0][:5])[4], atol=TOL)  # right-aligned
+    assert not any(np.any(v[1]) for v in graph.kv.values())
+    if graph_kind != "vendor":
+        ops = {node.op_type for node in onnx.load(str(graph_path(folder, meta, graph_kind))).graph.node}
+        assert "NonZero" in ops and "Pad" not in ops  # live tokens gathered; attention's zero tokens scattered
 
 
 def test_non_speculative_graph_keeps_one_logit(exported):

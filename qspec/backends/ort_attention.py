@@ -64,7 +64,9 @@ def rope_tables(attention: AttentionInfo, rows: int) -> tuple[np.ndarray, np.nda
     return (np.cos(freqs) * scale).astype(np.float32), (np.sin(freqs) * scale).astype(np.float32)
 
 
-def fuse_attention(model, attention: AttentionInfo, rope_positions: int, *, pack_qkv: bool = False) -> int:
+def fuse_attention(
+    model, attention: AttentionInfo, rope_positions: int, *, pack_qkv: bool = False, pack_tokens: bool = False
+) -> int:
     """Replace every layer's attention of an ``onnx_ir`` model with ``GroupQueryAttention``; returns how many.
 
     ``rope_positions``: rows of the RoPE table, at least ``ctx_len`` plus the longest ``seq_len``.
@@ -72,14 +74,17 @@ def fuse_attention(model, attention: AttentionInfo, rope_positions: int, *, pack
     one MatMul and one ``Pad`` per layer instead of three each (fp32 SmolLM2: 60 + 60 nodes fewer per
     call). Each output column is computed alone (a block-wise quantizer also quantizes each column on
     its own, so a packed weight quantizes to the same values). Not with q/k norm.
+    ``pack_tokens`` (continuous batching only): every node but attention runs on the call's live tokens
+    only (see :func:`_pack_live_tokens`).
     """
     import onnx_ir as ir
 
     graph = model.graph
     inputs = {value.name: value for value in graph.inputs}
     producers = _projection_outputs(graph)
-    shared = _shared_inputs(graph, inputs, attention, rope_positions)
     by_index = contract.BATCH_INDEX in inputs
+    packed = pack_tokens and by_index
+    shared = _shared_inputs(graph, inputs, attention, rope_positions, packed=packed)
     outputs = {value.name: (i, value) for i, value in enumerate(graph.outputs)}
     nodes = []
     for i in range(attention.num_layers):
@@ -91,17 +96,25 @@ def fuse_attention(model, attention: AttentionInfo, rope_positions: int, *, pack
         heads = [attention.num_heads, attention.num_kv_heads, attention.num_kv_heads]
         if pack_qkv and not attention.qk_norm:
             q, k, v, heads = _packed_qkv(graph, nodes, (q, k, v), prefix), None, None, [sum(heads), 0, 0]
-        if by_index:  # the call's rows to their KV rows; the other KV rows are idle in this call
+        if packed:  # the call's live tokens to their KV rows and slots, zero tokens up to `query` per row
+            q, k, v = (
+                _to_kv_slots(nodes, x, shared["zeros"][n * attention.head_dim], shared, f"layers.{i}.{name}")
+                if x is not None
+                else None
+                for x, n, name in zip((q, k, v), heads, "qkv")
+            )
+        elif by_index:  # the call's rows to their KV rows; the other KV rows are idle in this call
             q, k, v = (
                 _to_kv_rows(nodes, x, shared["zeros"][n * attention.head_dim], shared, f"layers.{i}.{name}")
                 if x is not None
                 else None
                 for x, n, name in zip((q, k, v), heads, "qkv")
             )
-        q, k, v = (
-            _padded(nodes, x, shared, f"layers.{i}.{name}") if x is not None else None
-            for x, name in zip((q, k, v), "qkv")
-        )
+        if not packed:
+            q, k, v = (
+                _padded(nodes, x, shared, f"layers.{i}.{name}") if x is not None else None
+                for x, name in zip((q, k, v), "qkv")
+            )
         past_key, past_value = inputs[contract.past_key(i)], inputs[contract.past_value(i)]
         gqa = ir.node(
             "GroupQueryAttention",
@@ -137,6 +150,12 @@ def fuse_attention(model, attention: AttentionInfo, rope_positions: int, *, pack
             name=f"layers.{i}.attention",
         )
         nodes.append(gqa)
+        if packed:  # back to the live tokens, [1, live, width]
+            back = ir.node("GatherND", [gqa.outputs[0], shared["kv_slots"]], name=f"layers.{i}.live_tokens")
+            nodes.append(back)
+            o_proj.replace_input_with(0, back.outputs[0])
+            _retain(graph, outputs, (past_key, gqa.outputs[1]), (past_value, gqa.outputs[2]))
+            continue
         # the call's own tokens: drop the op's padding token (see MIN_QUERY_TOKENS)
         sliced = ir.node(
             "Slice",
@@ -150,21 +169,30 @@ def fuse_attention(model, attention: AttentionInfo, rope_positions: int, *, pack
             nodes.append(back)
             attended = back.outputs[0]
         o_proj.replace_input_with(0, attended)  # an idle row's rows stay unspecified (see the module doc)
-        for buffer, present in ((past_key, gqa.outputs[1]), (past_value, gqa.outputs[2])):
-            index, old = outputs[contract.retained(buffer.name)]
-            present.name, present.shape, present.type = old.name, old.shape, old.type
-            old.name = None
-            graph.outputs[index] = present
+        _retain(graph, outputs, (past_key, gqa.outputs[1]), (past_value, gqa.outputs[2]))
     graph.extend(nodes)
+    if packed:
+        _pack_live_tokens(graph, inputs, shared)
     graph.sort()
     model.opset_imports[MS_DOMAIN] = 1
     from onnxscript import optimizer
 
     optimizer.remove_unused_nodes(model)
+    if packed and len(inputs[contract.INPUT_IDS].uses()) != 1:  # the exported attention's reads are gone
+        raise ValueError("packing live tokens: input_ids is still read by more than the live tokens' GatherND")
     for name, value in list(graph.initializers.items()):  # the q, k, v weights a packed graph no longer reads
         if not value.uses() and value not in graph.outputs:
             graph.initializers.pop(name)
     return attention.num_layers
+
+
+def _retain(graph, outputs: dict, *pairs) -> None:
+    """The op's present K/V become the graph's ``_RetainedState`` outputs of their past buffers."""
+    for buffer, present in pairs:
+        index, old = outputs[contract.retained(buffer.name)]
+        present.name, present.shape, present.type = old.name, old.shape, old.type
+        old.name = None
+        graph.outputs[index] = present
 
 
 def _projection_outputs(graph) -> dict[str, object]:
@@ -233,6 +261,82 @@ def _to_kv_rows(nodes: list, x, zeros, shared: dict, name: str):
     return node.outputs[0]
 
 
+def _to_kv_slots(nodes: list, x, zeros, shared: dict, name: str):
+    """``x`` ``[1, live, width]`` (the call's live tokens) scattered to their KV rows and slots of ``zeros``."""
+    import onnx_ir as ir
+
+    node = ir.node("ScatterND", [zeros, shared["kv_slots"], x], name=f"{name}.to_kv_slots")
+    nodes.append(node)
+    return node.outputs[0]
+
+
+def _pack_live_tokens(graph, inputs, shared: dict) -> None:
+    """Run every token-wise node on the call's live tokens only: the embedding reads the live tokens'
+    ids (``[1, live]``), and the final norm and LM head run on the live tokens whose logits the call
+    keeps (the epilogue's ``GatherElements`` picks the last ``num_logits_to_keep`` slots of each row),
+    their logits scattered to ``[batch, keep, vocab]``: a row's entries before its first live token are
+    zeros (the vendor graph repeats the first token's there; no caller reads them).
+
+    With several KV rows a call pads every row to its longest one (a batch-4 K=4 call where one row
+    drafts runs 20 tokens, 8 of them live); the weights' MatMuls then cost what the live tokens cost.
+    Attention moves its live tokens to ``[kv_rows, query]`` and back (:func:`_to_kv_slots`, GatherND).
+    """
+    import onnx_ir as ir
+
+    ids = inputs[contract.INPUT_IDS]
+    embeds = [node for node, i in ids.uses() if node.op_type == "Gather" and i == 1 and node.inputs[0].is_initializer()]
+    index, logits = next((i, v) for i, v in enumerate(graph.outputs) if v.name == contract.LOGITS)
+    pick = logits.producer()
+    for _ in range(8):  # back from the logits through the LM head and the final norm to the epilogue's pick
+        if pick is None or pick.op_type == "GatherElements":
+            break
+        pick = pick.inputs[0].producer()
+    if len(embeds) != 1 or pick is None or pick.op_type != "GatherElements":
+        raise ValueError("packing live tokens needs one embedding Gather of input_ids and a logits GatherElements")
+    nodes = []
+
+    def op(op_type: str, *args, **attributes) -> ir.Value:
+        node = ir.node(op_type, list(args), attributes=attributes, name=f"tokens.{op_type}.{len(nodes)}")
+        nodes.append(node)
+        return node.outputs[0]
+
+    def constant(name: str, array: np.ndarray) -> ir.Value:
+        return _constant(graph, f"tokens.{name}", array)
+
+    axis0, axis1 = constant("axis0", np.array([0], np.int64)), constant("axis1", np.array([1], np.int64))
+    zero, one = constant("zero", np.array(0, np.int64)), constant("one", np.array(1, np.int64))
+    embeds[0].replace_input_with(1, op("GatherND", ids, shared["live_tokens"]))  # [1, live]
+    # Each live token's entry among its row's kept logits: slot - last + keep - 1 (kept when >= 0).
+    positions = inputs[contract.POSITION_IDS]
+    call_shape = op("Shape", positions)  # [batch, seq]
+    steps = op("Range", zero, op("Gather", call_shape, one), one)
+    valid = op("Cast", op("GreaterOrEqual", positions, zero), to=ir.DataType.INT64)
+    last = op("ReduceMax", op("Mul", valid, steps), axis1, keepdims=0)  # [batch]: each row's last live slot
+    keeps = inputs.get(contract.NUM_LOGITS_TO_KEEP)
+    keep = op("Gather", op("Shape", keeps), zero) if keeps is not None else one
+    entry = op("Sub", op("Add", shared["live_slots"], op("Sub", keep, one)), op("Gather", last, shared["live_rows"]))
+    kept = op("Squeeze", op("NonZero", op("GreaterOrEqual", entry, zero)), axis0)  # [kept]: indices of live tokens
+    hidden = op("Gather", pick.inputs[0], kept, axis=1)  # [1, kept, hidden]
+    targets = op(
+        "Concat",
+        op("Unsqueeze", op("Gather", shared["live_rows"], kept), axis1),
+        op("Unsqueeze", op("Gather", entry, kept), axis1),
+        axis=1,
+    )  # [kept, 2]: row, entry
+    pick.outputs[0].replace_all_uses_with(hidden)
+    vocab = op("Shape", logits, start=2)
+    shape = op("Concat", op("Gather", call_shape, axis0), op("Unsqueeze", keep, axis0), vocab, axis=0)
+    zeros = op("Expand", constant("zero_float", np.zeros(1, np.float32)), shape)
+    scatter = ir.node("ScatterND", [zeros, op("Unsqueeze", targets, axis0), logits], name="tokens.logits")
+    nodes.append(scatter)
+    out = scatter.outputs[0]
+    out.shape, out.type = logits.shape, logits.type
+    logits.name = "tokens.live_logits"
+    out.name = contract.LOGITS
+    graph.outputs[index] = out
+    graph.extend(nodes)
+
+
 def _padded(nodes: list, x, shared: dict, name: str):
     """``x`` ``[rows, seq, width]`` with zero tokens appended up to ``[rows, query, width]``."""
     import onnx_ir as ir
@@ -260,8 +364,14 @@ def _head_norm(graph, nodes: list, x, module: str, attention: AttentionInfo):
     return join.outputs[0]
 
 
-def _shared_inputs(graph, inputs, attention: AttentionInfo, rope_positions: int) -> dict[str, object]:
-    """What every layer's attention reads, computed once from ``position_ids`` (a dozen nodes)."""
+def _shared_inputs(
+    graph, inputs, attention: AttentionInfo, rope_positions: int, *, packed: bool = False
+) -> dict[str, object]:
+    """What every layer's attention reads, computed once from ``position_ids`` (a dozen nodes).
+
+    ``packed``: also where each live token of the call goes (``live_tokens``: its call row and slot,
+    ``kv_slots``: its KV row and slot, both ``[1, live, 2]``), and zeros ``[kv_rows, query, width]``.
+    """
     import onnx_ir as ir
 
     def constant(name: str, array: np.ndarray) -> ir.Value:
@@ -279,6 +389,8 @@ def _shared_inputs(graph, inputs, attention: AttentionInfo, rope_positions: int)
         return node.outputs[0]
 
     seq = op("Gather", op("Shape", positions), one)  # scalar
+    # The op's tokens per row: seq, at least MIN_QUERY_TOKENS (q, k, v padded with zero tokens).
+    query = op("Max", seq, constant("attn.min_query", np.array(MIN_QUERY_TOKENS, np.int64)))
     extra = {}
     batch_index = inputs.get(contract.BATCH_INDEX)
     if batch_index is not None:
@@ -287,13 +399,27 @@ def _shared_inputs(graph, inputs, attention: AttentionInfo, rope_positions: int)
         kv_rows = op("Gather", op("Shape", inputs[contract.past_key(0)]), zero)
         full = op("Concat", op("Unsqueeze", kv_rows, axis0), op("Unsqueeze", seq, axis0), axis=0)  # [kv_rows, seq]
         pad = constant("attn.pad", np.array(contract.PAD_POSITION, np.int64))
+        call_rows = op("Squeeze", batch_index, axis1)
+        if packed:
+            live = op("Transpose", op("NonZero", op("GreaterOrEqual", positions, zero)))  # [live, 2]: row, slot
+            live_rows, live_slots = (op("Gather", live, index, axis=1) for index in (zero, one))  # [live] each
+            kv_row = op("Gather", call_rows, live_rows)
+            kv_slots = op("Concat", op("Unsqueeze", kv_row, axis1), op("Unsqueeze", live_slots, axis1), axis=1)
+            extra = {
+                "live_tokens": op("Unsqueeze", live, axis0),
+                "live_rows": live_rows,
+                "live_slots": live_slots,
+                "kv_slots": op("Unsqueeze", kv_slots, axis0),
+            }
         positions = op("ScatterND", op("Expand", pad, full), batch_index, positions)
         zero_f = constant("attn.zero_float_1d", np.zeros(1, np.float32))
         heads = (attention.num_heads, attention.num_kv_heads, attention.num_heads + 2 * attention.num_kv_heads)
         widths = {n * attention.head_dim for n in heads}  # q, k and v, or packed QKV
-        extra = {
+        if packed:  # the op's zero tokens come with the scatter: no Pad
+            full = op("Concat", op("Unsqueeze", kv_rows, axis0), op("Unsqueeze", query, axis0), axis=0)
+        extra |= {
             "batch_index": batch_index,
-            "call_rows": op("Squeeze", batch_index, axis1),
+            "call_rows": call_rows,
             "zeros": {
                 w: op("Expand", zero_f, op("Concat", full, constant(f"attn.width{w}", np.array([w], np.int64)), axis=0))
                 for w in sorted(widths)
@@ -303,15 +429,15 @@ def _shared_inputs(graph, inputs, attention: AttentionInfo, rope_positions: int)
     count = op("ReduceSum", op("Cast", row_valid, to=ir.DataType.INT64), axis1, keepdims=0)
     last = op("ReduceMax", positions, axis1, keepdims=0)  # [rows]: -1 for an idle row
     live_row = op("Greater", count, zero)
-    # The op's tokens per row: seq, at least MIN_QUERY_TOKENS (q, k, v padded with zero tokens).
-    query = op("Max", seq, constant("attn.min_query", np.array(MIN_QUERY_TOKENS, np.int64)))
     pad_end = op("Unsqueeze", op("Sub", query, seq), axis0)
     zero_1d = constant("attn.zero_1d", np.array([0], np.int64))
     pads_begin = constant("attn.pads_begin", np.zeros(4, np.int64))
     pads = op("Concat", pads_begin, pad_end, zero_1d, axis=0)  # [0, 0, 0, 0, query - seq, 0]
-    # A live row runs all query tokens from its first live position p: T = p + query = last - count + 1 + query.
-    seqlens_k = op("Where", live_row, op("Sub", op("Add", last, query), count), zero)
-    query_seqlens = op("Where", live_row, op("Expand", query, op("Shape", count)), zero)
+    # A live row runs its live tokens, at least MIN_QUERY_TOKENS, from its first live position p:
+    # T = p + row_query = last - count + 1 + row_query.
+    row_query = op("Max", count, constant("attn.min_query_rows", np.array(MIN_QUERY_TOKENS, np.int64)))
+    seqlens_k = op("Where", live_row, op("Sub", op("Add", last, row_query), count), zero)
+    query_seqlens = op("Where", live_row, row_query, zero)
     total = op("Max", op("Add", op("ReduceMax", seqlens_k, keepdims=0), one), query)  # >= every T and query
     cos, sin = rope_tables(attention, rope_positions)
     shared = {

@@ -49,6 +49,12 @@ class Binding:
         self.input_ids.fill(0)
         self.position_ids.fill(contract.PAD_POSITION)
 
+    def fill_live(self, tokens_per_row: int) -> None:
+        """Every row's first ``tokens_per_row`` tokens live (token 0 at positions 0, 1, ...), the rest padding:
+        a call that costs what a real one does on a graph that skips padding. It writes those slots."""
+        self.reset()
+        self.position_ids[:, :tokens_per_row] = np.arange(tokens_per_row)
+
 
 def host_arrays(spec: Specialization, vocab_size: int, *, continuous_batching: bool) -> dict[str, Any]:
     """Zeroed host arrays of ``spec``'s shapes, every row padding: the fields of a :class:`Binding`."""
@@ -75,6 +81,7 @@ class LoadedModel(ABC):
     prefill: Binding  # the prefill binding of the largest compute-context-length bucket
     decode: dict[int, Binding]  # K -> binding of the seq_len = K + 1 specialization (largest bucket)
     call_ms: dict[Specialization, float]  # prefill and each decode shape: the faster of two timed calls, after warm_up
+    packs_live_tokens: bool = False  # the graph's MatMuls run on live tokens only: padding costs (almost) nothing
 
     def _read_package(self, package: str | Path) -> None:
         """Shapes the runtime needs, from the manifest: Ks, ctx_len, KV rows, vocabulary."""
@@ -121,17 +128,22 @@ class LoadedModel(ABC):
         two more calls of the prefill and each decode shape (:attr:`call_ms`, the faster one: for
         :func:`qspec.runtime.prefill.chunk_shape`).
 
-        Padding rewrites values a slot already holds, so the cache is unchanged.
+        Padding rewrites values a slot already holds, so the cache is unchanged. A graph that skips
+        padding (:attr:`packs_live_tokens`) is timed on every token live instead, which writes slots
+        ``0 .. seq_len - 1`` of every KV row: call it before any request is in flight.
         """
         for bound in self.bindings.values():
             bound.reset()
             self.run(bound)
         for bound in (self.prefill, *self.decode.values()):
+            if self.packs_live_tokens:
+                bound.fill_live(bound.spec.seq_len)
             times = []
             for _ in range(2):
                 begin = time.perf_counter()
                 self.run(bound)
                 times.append((time.perf_counter() - begin) * 1000)
+            bound.reset()
             self.call_ms[bound.spec] = min(times)
 
     @abstractmethod

@@ -24,7 +24,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -34,6 +34,10 @@ DISPATCH_MODES = ("auto", "cover", "cost")  # auto: cover on a one-slot package,
 # A larger K must promise 10 % more tokens per ms than the best smaller one: the estimate is high for
 # Ks that rarely run (pld [0,4] at batch 4 ran 49 K=4 calls on it and landed 0.95x none).
 MARGIN = 1.1
+# Cost dispatch drops drafts it expects to be rejected, and then learns nothing more about them: after
+# this many steps with drafts on offer and none verified, one step verifies one draft a row. (A few
+# early rejections once priced pld's drafts out for a whole run: 2 K=4 calls of 508 at batch 4.)
+EXPLORE_EVERY = 8
 PRIOR_ACCEPTED = 1.0  # a weak prior of c_i = 0.5 until drafts have been verified
 PRIOR_TRIED = 2.0
 
@@ -77,6 +81,28 @@ def measure_costs(model, ks: Sequence[int], repeats: int) -> dict[int, float]:
     return costs
 
 
+def measure_live_costs(model, ks: Sequence[int], repeats: int) -> CallCosts:
+    """Prices for a graph whose MatMuls run on live tokens only: each K's call with every row live
+    (``K + 1`` tokens a row), and the largest K's with one live token a row, which gives the price of a
+    live token. Writes the first slots of every KV row (before any request is in flight)."""
+
+    def median_ms(bound, tokens_per_row: int) -> float:
+        bound.fill_live(tokens_per_row)
+        times = []
+        for _ in range(repeats):
+            begin = time.perf_counter()
+            model.run(bound)
+            times.append((time.perf_counter() - begin) * 1000)
+        bound.reset()
+        return float(np.median(times))
+
+    full = {k: median_ms(model.decode[k], k + 1) for k in ks}
+    top = ks[-1]
+    rows = model.decode[top].spec.batch_size
+    per_token = max(0.0, (full[top] - median_ms(model.decode[top], 1)) / (rows * top)) if top else 0.0
+    return CallCosts(full, per_token=per_token, measured_tokens={k: rows * (k + 1) for k in ks})
+
+
 def expected_tokens(lengths: Sequence[int], k: int, chain: np.ndarray) -> float:
     """Tokens a call of K produces in expectation: one per row plus its accepted drafts.
 
@@ -86,37 +112,67 @@ def expected_tokens(lengths: Sequence[int], k: int, chain: np.ndarray) -> float:
     return float(sum(1.0 + gains[min(n, k, len(chain))] for n in lengths))
 
 
+def plan_by_cost(
+    ks: Sequence[int], price: Callable[[int, int], float], lengths: Sequence[int], chain: np.ndarray
+) -> tuple[int, int]:
+    """``(K, depth)``: every row verifies its first ``min(n, depth)`` drafts in a call of K (the
+    smallest compiled K covering them), the depth with the most expected tokens per ms; a deeper plan
+    must beat the best shallower one by :data:`MARGIN`. ``price(K, live_tokens)``: ms of a call.
+
+    On a graph that pads every row to ``K + 1`` tokens the price depends on K only, and the plans are
+    the Ks up to the ``cover`` K. On a graph whose MatMuls run on live tokens only (continuous
+    batching, :func:`qspec.backends.ort_attention.fuse_attention`) a row's drafts cost what they
+    are, and a depth between two compiled Ks (rows cut to 2 drafts in a K=4 call) can win.
+    """
+    gains = np.concatenate(([0.0], np.cumsum(chain)))
+    best, best_rate = (ks[0], 0), -1.0
+    for depth in range(pick_k(ks, max(lengths, default=0)) + 1):
+        drafts = [min(n, depth, len(chain)) for n in lengths]
+        if depth and max(drafts, default=0) < depth:  # no row has that many drafts: nothing deeper
+            break
+        k = pick_k(ks, max(drafts, default=0))
+        tokens = sum(1.0 + gains[n] for n in drafts)
+        rate = tokens / price(k, sum(1 + n for n in drafts))
+        if rate > best_rate * MARGIN + 1e-12:
+            best, best_rate = (k, depth), rate
+    return best
+
+
 def pick_k_by_cost(ks: Sequence[int], costs_ms: Mapping[int, float], lengths: Sequence[int], chain: np.ndarray) -> int:
-    """The compiled K with the highest expected tokens per ms, at most the ``cover`` K; a larger K must
-    beat the best smaller one by :data:`MARGIN`.
+    """The compiled K with the highest expected tokens per ms at a price per K (:func:`plan_by_cost`),
+    at most the ``cover`` K; a larger K must beat the best smaller one by :data:`MARGIN`.
 
     A K above the one covering the longest proposal adds no token, only padding; its measured cost can
     still come out lower (a noisy warm-up), which once made ``none`` at batch 4 run K=4 on every step.
     """
-    cover = pick_k(ks, max(lengths, default=0))
-    best_k, best_rate = ks[0], -1.0
-    for k in ks:
-        if k > cover:
-            break
-        rate = expected_tokens(lengths, k, chain) / costs_ms[k]
-        if rate > best_rate * MARGIN + 1e-12:
-            best_k, best_rate = k, rate
-    return best_k
+    return plan_by_cost(ks, lambda k, live: costs_ms[k], lengths, chain)[0]
 
 
 class CallCosts(Mapping[int, float]):
     """Each K's price in ms for ``cost`` dispatch: the median of its last ``window`` calls, seeded with
     the warm-up's measurement, so the price is what calls really cost (their positions, live rows and
-    attention) and one slow call does not move it."""
+    attention) and one slow call does not move it.
 
-    def __init__(self, measured: Mapping[int, float], window: int = 9):
-        self._recent = {k: deque([float(ms)], maxlen=window) for k, ms in measured.items()}
-        self._price = {k: float(ms) for k, ms in measured.items()}
+    ``per_token``: ms a live token adds to a call whose MatMuls run on live tokens only; then a K's
+    price is ``self[K] + per_token * live_tokens``, its median taken over the calls' remainders.
+    ``measured_tokens``: the live tokens of the measured calls (default: none).
+    """
 
-    def observe(self, k: int, ms: float) -> None:
+    def __init__(self, measured: Mapping[int, float], window: int = 9, *, per_token: float = 0.0, measured_tokens=None):
+        self.per_token = float(per_token)
+        tokens = measured_tokens or {}
+        base = {k: float(ms) - self.per_token * tokens.get(k, 0) for k, ms in measured.items()}
+        self._recent = {k: deque([ms], maxlen=window) for k, ms in base.items()}
+        self._price = dict(base)
+
+    def observe(self, k: int, ms: float, live_tokens: int = 0) -> None:
         recent = self._recent[k]
-        recent.append(ms)
+        recent.append(ms - self.per_token * live_tokens)
         self._price[k] = float(np.median(recent))
+
+    def price(self, k: int, live_tokens: int) -> float:
+        """ms of a call of K with ``live_tokens`` live tokens."""
+        return self._price[k] + self.per_token * live_tokens
 
     def __getitem__(self, k: int) -> float:
         return self._price[k]

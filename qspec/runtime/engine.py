@@ -36,11 +36,13 @@ from qspec.package import TOKENIZER_DIR
 from qspec.runtime.backend import LoadedModel, SessionMode, load_model
 from qspec.runtime.dispatch import (
     DISPATCH_MODES,
+    EXPLORE_EVERY,
     AcceptanceStats,
     CallCosts,
     measure_costs,
+    measure_live_costs,
     pick_k,
-    pick_k_by_cost,
+    plan_by_cost,
     restrict_ks,
 )
 from qspec.runtime.metrics import EngineMetrics, aggregate
@@ -138,6 +140,7 @@ class Engine:
             raise ConfigError(f"dispatch {dispatch!r}: use {', '.join(DISPATCH_MODES)}")
         self.dispatch = dispatch if not (dispatch == "auto" and self.num_slots == 1) else "cover"
         self.stats = AcceptanceStats(self.k_max)
+        self._unverified = 0  # cost dispatch: steps since drafts were last verified (EXPLORE_EVERY)
         self.last_metrics: EngineMetrics | None = None
         self.calls: dict[Any, int] = {"prefill": 0, **{k: 0 for k in self.ks}}  # since load
         self._waiting: deque[SequenceState] = deque()
@@ -153,6 +156,8 @@ class Engine:
         self.model.warm_up()
         if self.dispatch not in ("cost", "auto"):
             return measure_costs(self.model, self.ks, 0)
+        if self.model.packs_live_tokens:
+            return measure_live_costs(self.model, self.ks, repeats)
         return CallCosts(measure_costs(self.model, self.ks, repeats))
 
     # ------------------------------------------------------------------ phases
@@ -193,7 +198,8 @@ class Engine:
         begin = time.perf_counter()
         logits = self.model.run(bound)
         if isinstance(self.call_ms, CallCosts):
-            self.call_ms.observe(k, (time.perf_counter() - begin) * 1000)
+            live = sum(len(drafts) + 1 for _, drafts in batch)
+            self.call_ms.observe(k, (time.perf_counter() - begin) * 1000, live)
         return logits
 
     def accept(self, seq: SequenceState, proposal: Proposal, logits: np.ndarray) -> list[int]:
@@ -211,6 +217,11 @@ class Engine:
             accepted, bonus = accept_sampled(probs, drafts, seq.rng, proposal.probs)
         return [*drafts[:accepted].tolist(), int(bonus)]
 
+    def _price(self, k: int, live_tokens: int) -> float:
+        """ms of a call of K with ``live_tokens`` live tokens, for ``cost`` dispatch."""
+        costs = self.call_ms
+        return costs.price(k, live_tokens) if isinstance(costs, CallCosts) else costs[k]
+
     def dispatch_for(self, live: list[SequenceState]) -> str:
         """``cover`` or ``cost`` for this step (``auto``, several KV slots: cost when every sequence is greedy)."""
         if self.dispatch != "auto":
@@ -222,10 +233,16 @@ class Engine:
         batch = list(zip(live, self.propose(live)))
         lengths = [len(p) for _, p in batch]
         if self.dispatch_for(live) == "cost":
-            k = pick_k_by_cost(self.ks, self.call_ms, lengths, self.stats.chain())
+            k, depth = plan_by_cost(self.ks, self._price, lengths, self.stats.chain())
+            if depth == 0 and max(lengths) > 0 and self.k_max > 0:
+                self._unverified += 1  # steps with drafts on offer that verified none
+                if self._unverified >= EXPLORE_EVERY:
+                    k, depth = pick_k(self.ks, 1), 1
+            if depth:
+                self._unverified = 0
         else:
-            k = pick_k(self.ks, max(lengths))
-        batch = [(seq, p.cut(k)) for seq, p in batch]
+            k = depth = pick_k(self.ks, max(lengths))
+        batch = [(seq, p.cut(min(k, depth))) for seq, p in batch]
         logits = self.verify(k, [(seq, p.tokens) for seq, p in batch])  # [rows, k + 1, vocab]
         for seq, proposal in batch:
             n = len(proposal)
