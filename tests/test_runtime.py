@@ -125,7 +125,7 @@ def test_partial_acceptance_then_longer_draft(packages, reference):
             return [truth[made], truth[made + 1], 1, 1]  # 2 accepted, then rejected
         return truth[made : made + 4]  # all accepted
 
-    engine = Engine(packages["0,4"], method="user", fn=drafts)
+    engine = Engine(packages["0,4"], method="user", fn=drafts, dispatch="cover")  # every draft verified
     [out] = engine.generate([prompt], SamplingParams(max_new_tokens=20, ignore_eos=True))
     assert out.token_ids == truth
     assert out.metrics.accepted == out.metrics.proposed - 2  # only the two wrong drafts were rejected
@@ -134,7 +134,7 @@ def test_partial_acceptance_then_longer_draft(packages, reference):
 
 def test_force_accept_knob_reaches_each_dispatch_path(packages):
     """force_accept=1 accepts exactly one draft per call whatever the target says."""
-    engine = Engine(packages["0,4"], method="user", fn=lambda r, h: [7, 7, 7, 7], force_accept=1)
+    engine = Engine(packages["0,4"], method="user", fn=lambda r, h: [7, 7, 7, 7], force_accept=1, dispatch="cover")
     [out] = engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=9, ignore_eos=True))
     assert out.metrics.accepted == out.metrics.target_calls
     assert out.token_ids[1::2][:4] == [7, 7, 7, 7]  # every other token is the forced draft
@@ -327,13 +327,18 @@ def test_compute_context_buckets_keep_greedy_output(model, tmp_path, reference, 
 
 
 def test_auto_dispatch_covers_at_batch_one_and_costs_above(packages):
-    """`auto` is `cost` for greedy steps on a package with several slots, `cover` on one slot or when one samples."""
+    """`auto` is `cost` for greedy steps on a graph that runs live tokens only or a package with several
+    slots; `cover` on one slot of a graph that pads every row to K + 1, or when one samples."""
     from types import SimpleNamespace
 
-    assert Engine(packages["0,4"], method="pld").dispatch == "cover"
-    assert Engine(packages["cb"], method="pld", max_batch_size=1).dispatch == "cover"
-    engine = Engine(packages["cb"], method="pld")
+    from qspec.runtime.backend import load_model
+
     greedy, sampled = SimpleNamespace(params=SamplingParams()), SimpleNamespace(params=SamplingParams(temperature=0.7))
+    one_slot = Engine(packages["0,4"], method="pld")
+    assert one_slot.model.packs_live_tokens and one_slot.dispatch_for([greedy]) == "cost"
+    padded = load_model(packages["0,4"], vendor_graph=True)  # model.onnx: every row padded to K + 1 tokens
+    assert not padded.packs_live_tokens and Engine(packages["0,4"], method="pld", model=padded).dispatch == "cover"
+    engine = Engine(packages["cb"], method="pld")
     assert engine.dispatch_for([greedy, greedy]) == "cost"
     assert engine.dispatch_for([greedy]) == "cost"  # the last request alone still pays for every slot
     assert engine.dispatch_for([greedy, sampled]) == "cover"  # seeded sampling must not depend on timings

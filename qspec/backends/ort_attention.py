@@ -8,26 +8,27 @@ ONNX Runtime's ``com.microsoft.GroupQueryAttention`` does the same work in one n
 buffer shared between ``past`` and ``present`` (the runtime binds both to one OrtValue) and its
 right-padded chunk form (``query_seqlens``). Mapping the contract onto it, per row of a call:
 
-- the op sees ``query = max(seq_len, MIN_QUERY_TOKENS)`` tokens per row: a one-token call gets one
-  zero token appended to q, k and v (``Pad``) and its output sliced back. ONNX Runtime's CPU kernel
-  takes another path for a single query token, whose rounding differs from the same token's row in a
-  several-token call (measured on SmolLM2: 3e-8 after the first layer, 3e-5 on fp32 logits, 0.5 on
-  int4 logits once int8 activation quantization rounds the difference up). With the pad, a token's
-  logits in a K=0 call equal, bit for bit, its row in a K + 1 verify call, so speculative greedy
-  output is plain greedy output, while every other node (the weights' MatMuls above all) still runs
-  on the call's own tokens.
+- every node but attention runs on the call's **live tokens** only (``pack_tokens``, what the ort
+  backend builds): the embedding reads their ids (``NonZero`` of ``position_ids >= 0``), the
+  MatMuls, norms and MLP see ``[1, live, width]``, and the final norm and LM head run on the live
+  tokens whose logits the call keeps, scattered to ``[batch, keep, vocab]``. A row padded to the
+  call's ``seq_len`` (a batch-4 K=4 call where one row drafts: 8 live tokens of 20), or a draft
+  shorter than its K, costs what its live tokens cost. Attention scatters the live tokens' q, k, v
+  to ``[kv_rows, query, width]`` zeros (``ScatterND``) and gathers its output back (``GatherND``).
+- the op sees ``query = max(seq_len, MIN_QUERY_TOKENS)`` tokens per row, and a live row runs
+  ``max(n, MIN_QUERY_TOKENS)`` of them (``query_seqlens``): a one-token row gets one zero token.
+  ONNX Runtime's CPU kernel takes another path for a single query token, whose rounding differs from
+  the same token's row in a several-token call (measured on SmolLM2: 3e-8 after the first layer,
+  3e-5 on fp32 logits, 0.5 on int4 logits once int8 activation quantization rounds the difference
+  up). With the zero token, a token's logits in a K=0 call equal, bit for bit, its row in a K + 1
+  verify call, so speculative greedy output is plain greedy output.
 - a row with live tokens at positions ``p .. p + n - 1`` (consecutive, as the contract requires) runs
-  as a chunk of all ``query`` tokens from ``p``: ``query_seqlens = query``,
-  ``seqlens_k = p + query - 1``. Its live tokens are written at their positions, rotated by them and
-  see slots ``[0, position]`` (and their window), as in the vendor graph. Its padding tokens follow
-  at ``p + n ..`` like rejected drafts: written past the row's last live slot, where nothing is read
-  before a later live token rewrites it. (Counting them keeps every attention product as wide as the
-  call, for the same reason as the pad above.)
-- a row with no live token is idle (``query_seqlens = 0``): its cache is not touched. Its output
-  rows, which the op leaves unspecified, are left as they are: every node after attention works
-  token by token (MatMulNBits quantizes each row's activations on its own), so they reach only that
-  row's own logits, which no caller reads, and its KV is never written. (Zeroing them took one
-  ``Where`` per layer, 0.2 ms of a 6 ms int4 call.)
+  as a chunk from ``p``: ``seqlens_k = p + max(n, MIN_QUERY_TOKENS) - 1``. Its live tokens are
+  written at their positions, rotated by them and see slots ``[0, position]`` (and their window), as
+  in the vendor graph. A zero token follows at ``p + 1`` like a rejected draft: written past the
+  row's last live slot, where nothing is read before a later live token rewrites it.
+- a row with no live token is idle (``query_seqlens = 0``): its cache is not touched and no node
+  after attention reads its output.
 
 The op wants room for the whole chunk, ``p + query <=`` the buffer's length, and RoPE rows for
 every position it rotates. The runtime gives such a graph KV buffers ``query`` slots longer than
@@ -39,9 +40,10 @@ the names the exporter keeps) and RoPE, heads and windows from the export's
 :class:`~qspec.package.AttentionInfo`.
 
 Continuous batching (``batch_index`` picks the KV row of each of the call's rows): the op's batch is
-the KV rows. The call's q, k, v are scattered to their KV rows (``ScatterND`` into zeros), the other
-KV rows are idle, and the output is gathered back; only attention's inputs and output move, a few
-``[rows, seq_len, width]`` copies per layer, never the KV cache.
+the KV rows; the live tokens are scattered to their KV rows and slots, the other KV rows are idle.
+Only attention's inputs and output move, a few ``[rows, query, width]`` copies per layer, never the
+KV cache. Without ``pack_tokens`` (the tests' reference form) the call's rows are scattered whole
+and a one-token call's q, k, v are padded (``Pad``) and its output sliced back.
 """
 
 from __future__ import annotations
@@ -74,8 +76,8 @@ def fuse_attention(
     one MatMul and one ``Pad`` per layer instead of three each (fp32 SmolLM2: 60 + 60 nodes fewer per
     call). Each output column is computed alone (a block-wise quantizer also quantizes each column on
     its own, so a packed weight quantizes to the same values). Not with q/k norm.
-    ``pack_tokens`` (continuous batching only): every node but attention runs on the call's live tokens
-    only (see :func:`_pack_live_tokens`).
+    ``pack_tokens``: every node but attention runs on the call's live tokens only (see
+    :func:`_pack_live_tokens`).
     """
     import onnx_ir as ir
 
@@ -83,7 +85,7 @@ def fuse_attention(
     inputs = {value.name: value for value in graph.inputs}
     producers = _projection_outputs(graph)
     by_index = contract.BATCH_INDEX in inputs
-    packed = pack_tokens and by_index
+    packed = pack_tokens
     shared = _shared_inputs(graph, inputs, attention, rope_positions, packed=packed)
     outputs = {value.name: (i, value) for i, value in enumerate(graph.outputs)}
     nodes = []
@@ -393,37 +395,39 @@ def _shared_inputs(
     query = op("Max", seq, constant("attn.min_query", np.array(MIN_QUERY_TOKENS, np.int64)))
     extra = {}
     batch_index = inputs.get(contract.BATCH_INDEX)
+    call_rows = op("Squeeze", batch_index, axis1) if batch_index is not None else None
+    kv_rows = op("Gather", op("Shape", inputs[contract.past_key(0)]), zero)
+    if packed:
+        live = op("Transpose", op("NonZero", op("GreaterOrEqual", positions, zero)))  # [live, 2]: row, slot
+        live_rows, live_slots = (op("Gather", live, index, axis=1) for index in (zero, one))  # [live] each
+        kv_slots = live  # without batch_index a call row is its KV row
+        if call_rows is not None:
+            kv_row = op("Gather", call_rows, live_rows)
+            kv_slots = op("Concat", op("Unsqueeze", kv_row, axis1), op("Unsqueeze", live_slots, axis1), axis=1)
+        extra = {
+            "live_tokens": op("Unsqueeze", live, axis0),
+            "live_rows": live_rows,
+            "live_slots": live_slots,
+            "kv_slots": op("Unsqueeze", kv_slots, axis0),
+        }
     if batch_index is not None:
         # Continuous batching: the call's rows are KV rows batch_index; attention runs over every KV
         # row, those not in the call idle (all positions PAD_POSITION), its inputs scattered there.
-        kv_rows = op("Gather", op("Shape", inputs[contract.past_key(0)]), zero)
         full = op("Concat", op("Unsqueeze", kv_rows, axis0), op("Unsqueeze", seq, axis0), axis=0)  # [kv_rows, seq]
         pad = constant("attn.pad", np.array(contract.PAD_POSITION, np.int64))
-        call_rows = op("Squeeze", batch_index, axis1)
-        if packed:
-            live = op("Transpose", op("NonZero", op("GreaterOrEqual", positions, zero)))  # [live, 2]: row, slot
-            live_rows, live_slots = (op("Gather", live, index, axis=1) for index in (zero, one))  # [live] each
-            kv_row = op("Gather", call_rows, live_rows)
-            kv_slots = op("Concat", op("Unsqueeze", kv_row, axis1), op("Unsqueeze", live_slots, axis1), axis=1)
-            extra = {
-                "live_tokens": op("Unsqueeze", live, axis0),
-                "live_rows": live_rows,
-                "live_slots": live_slots,
-                "kv_slots": op("Unsqueeze", kv_slots, axis0),
-            }
         positions = op("ScatterND", op("Expand", pad, full), batch_index, positions)
+        extra |= {"batch_index": batch_index, "call_rows": call_rows}
+    if batch_index is not None or packed:
+        # zeros [kv_rows, seq, width] for the call's rows, or [kv_rows, query, width] for its live tokens
+        # (the op's zero tokens come with the scatter: no Pad)
+        width = query if packed else seq
+        full = op("Concat", op("Unsqueeze", kv_rows, axis0), op("Unsqueeze", width, axis0), axis=0)
         zero_f = constant("attn.zero_float_1d", np.zeros(1, np.float32))
         heads = (attention.num_heads, attention.num_kv_heads, attention.num_heads + 2 * attention.num_kv_heads)
         widths = {n * attention.head_dim for n in heads}  # q, k and v, or packed QKV
-        if packed:  # the op's zero tokens come with the scatter: no Pad
-            full = op("Concat", op("Unsqueeze", kv_rows, axis0), op("Unsqueeze", query, axis0), axis=0)
-        extra |= {
-            "batch_index": batch_index,
-            "call_rows": call_rows,
-            "zeros": {
-                w: op("Expand", zero_f, op("Concat", full, constant(f"attn.width{w}", np.array([w], np.int64)), axis=0))
-                for w in sorted(widths)
-            },
+        extra["zeros"] = {
+            w: op("Expand", zero_f, op("Concat", full, constant(f"attn.width{w}", np.array([w], np.int64)), axis=0))
+            for w in sorted(widths)
         }
     row_valid = op("GreaterOrEqual", positions, zero)  # [rows, seq]: the op's rows (KV rows with batch_index)
     count = op("ReduceSum", op("Cast", row_valid, to=ir.DataType.INT64), axis1, keepdims=0)

@@ -40,7 +40,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from qspec import contract
 from qspec.common import build_directory
 from qspec.errors import CompileError
 from qspec.package import ORT_ONNX_FILE, AttentionInfo, RuntimeGraph, WeightFormat
@@ -56,7 +55,7 @@ INT8_ACTIVATIONS = 4
 ACCURACY_LEVEL = INT8_ACTIVATIONS
 SYMMETRIC = False
 # Bump when the recipe below changes: cached runtime graphs are keyed by it.
-RECIPE_VERSION = 15
+RECIPE_VERSION = 16
 GRAPH_META = "graph.json"
 # Initializers below this size stay inside the .onnx file.
 EXTERNAL_MIN_BYTES = 1024
@@ -193,8 +192,7 @@ def optimize_graph(
         fusions["group_query_attention"] = fuse_attention(
             model, attention, rope_positions, pack_qkv=True, pack_tokens=True
         )
-        if contract.BATCH_INDEX in contract_shapes:  # continuous batching: MatMuls over live tokens only
-            fusions["live_tokens"] = 1
+        fusions["live_tokens"] = 1  # MatMuls over live tokens only
     quantized = 0
     if bits is None:
         ir.save(model, str(target))  # the packed q/k/v inline, the rest pointing into the source's .data file

@@ -116,8 +116,8 @@ def plan_by_cost(
     ks: Sequence[int], price: Callable[[int, int], float], lengths: Sequence[int], chain: np.ndarray
 ) -> tuple[int, int]:
     """``(K, depth)``: every row verifies its first ``min(n, depth)`` drafts in a call of K (the
-    smallest compiled K covering them), the depth with the most expected tokens per ms; a deeper plan
-    must beat the best shallower one by :data:`MARGIN`. ``price(K, live_tokens)``: ms of a call.
+    smallest compiled K covering them), the depth with the most expected tokens per ms; a plan of a
+    larger K must beat the best one so far by :data:`MARGIN`. ``price(K, live_tokens)``: ms of a call.
 
     On a graph that pads every row to ``K + 1`` tokens the price depends on K only, and the plans are
     the Ks up to the ``cover`` K. On a graph whose MatMuls run on live tokens only (continuous
@@ -133,7 +133,8 @@ def plan_by_cost(
         k = pick_k(ks, max(drafts, default=0))
         tokens = sum(1.0 + gains[n] for n in drafts)
         rate = tokens / price(k, sum(1 + n for n in drafts))
-        if rate > best_rate * MARGIN + 1e-12:
+        margin = MARGIN if k > best[0] else 1.0  # a larger K must earn the margin; more drafts in the same K need not
+        if rate > best_rate * margin + 1e-12:
             best, best_rate = (k, depth), rate
     return best
 

@@ -99,12 +99,13 @@ class Engine:
         ``num_speculative_tokens`` restricts dispatch to a subset of the compiled Ks (default: all).
         ``dispatch``: ``cover`` runs the smallest K covering the longest proposal; ``cost`` the K
         with the most expected tokens per ms (see :mod:`qspec.runtime.dispatch`); ``auto`` (default)
-        is ``cost`` for greedy steps on a package with several KV slots, where every call pays for all
-        of them at K + 1 tokens (measured: batch-4 cover 0.71x none, cost 1.04x; the last request in
-        flight alone at ``cover`` ran K=8 calls of four rows and took ``pld`` [0,1,2,4,8] to 0.76-0.93x
-        ``none``), and ``cover`` otherwise: on a one-slot package, and whenever one samples, since
-        ``cost`` depends on measured call times and a seeded sampled request must give the same
-        tokens every run.
+        is ``cost`` for greedy steps on a graph that runs live tokens only (the ort backend's: a draft
+        costs what it is, and cutting a row's drafts to the depth that pays took int4 ``pld``
+        [0,1,2,4,8] at batch 1 from 0.90x to 1.15x ``none``) or on a package with several KV slots,
+        where every call pays for all of them at K + 1 tokens (measured: batch-4 cover 0.71x none,
+        cost 1.04x), and ``cover`` otherwise: on one slot of a graph that pads, and whenever one
+        samples, since ``cost`` depends on measured call times and a seeded sampled request must
+        give the same tokens every run.
         ``max_batch_size`` caps the sequences in flight (default: every KV slot of the package).
         ``backend``: where the package runs, ``ort`` (ONNX Runtime, CPU) or ``qaic`` (its QPC on Cloud
         AI 100, :mod:`qspec.runtime.qaic`); the engine is the same on both.
@@ -138,7 +139,8 @@ class Engine:
         self.eos_token_ids = frozenset(eos)
         if dispatch not in DISPATCH_MODES:
             raise ConfigError(f"dispatch {dispatch!r}: use {', '.join(DISPATCH_MODES)}")
-        self.dispatch = dispatch if not (dispatch == "auto" and self.num_slots == 1) else "cover"
+        one_row = self.num_slots == 1 and not self.model.packs_live_tokens
+        self.dispatch = dispatch if not (dispatch == "auto" and one_row) else "cover"
         self.stats = AcceptanceStats(self.k_max)
         self._unverified = 0  # cost dispatch: steps since drafts were last verified (EXPLORE_EVERY)
         self.last_metrics: EngineMetrics | None = None
