@@ -334,11 +334,12 @@ def test_auto_dispatch_covers_at_batch_one_and_costs_above(packages):
     from qspec.runtime.backend import load_model
 
     greedy, sampled = SimpleNamespace(params=SamplingParams()), SimpleNamespace(params=SamplingParams(temperature=0.7))
-    one_slot = Engine(packages["0,4"], method="pld")
-    assert one_slot.model.packs_live_tokens and one_slot.dispatch_for([greedy]) == "cost"
-    padded = load_model(packages["0,4"], vendor_graph=True)  # model.onnx: every row padded to K + 1 tokens
+    one_slot = Engine(packages["0,4"], method="pld")  # fp32, one slot: every row padded to K + 1 tokens
+    assert not one_slot.model.packs_live_tokens and one_slot.dispatch == "cover"
+    padded = load_model(packages["0,4"], vendor_graph=True)  # model.onnx pads in every format
     assert not padded.packs_live_tokens and Engine(packages["0,4"], method="pld", model=padded).dispatch == "cover"
     engine = Engine(packages["cb"], method="pld")
+    assert engine.model.packs_live_tokens
     assert engine.dispatch_for([greedy, greedy]) == "cost"
     assert engine.dispatch_for([greedy]) == "cost"  # the last request alone still pays for every slot
     assert engine.dispatch_for([greedy, sampled]) == "cover"  # seeded sampling must not depend on timings

@@ -127,6 +127,9 @@ def test_runtime_graph_attends_with_one_group_query_attention_per_layer(packages
     cb = ops(packages[fmt]["cb"])
     assert cb.count("GroupQueryAttention") == 2 and "ScatterElements" not in cb
     assert read_manifest(packages[fmt]["cb"]).runtime_graph.kv_slack
+    # MatMuls over live tokens only: with several KV rows, and at one row in int8/int4 (fp32 streams weights)
+    assert read_manifest(packages[fmt]["cb"]).runtime_graph.fusions["live_tokens"] == 1
+    assert graph.fusions.get("live_tokens", 0) == (fmt != "fp32") and ("NonZero" in plain) == (fmt != "fp32")
 
 
 def test_fp32_runtime_graph_reads_the_vendor_graphs_weights(packages):

@@ -99,13 +99,13 @@ class Engine:
         ``num_speculative_tokens`` restricts dispatch to a subset of the compiled Ks (default: all).
         ``dispatch``: ``cover`` runs the smallest K covering the longest proposal; ``cost`` the K
         with the most expected tokens per ms (see :mod:`qspec.runtime.dispatch`); ``auto`` (default)
-        is ``cost`` for greedy steps on a graph that runs live tokens only (the ort backend's: a draft
-        costs what it is, and cutting a row's drafts to the depth that pays took int4 ``pld``
-        [0,1,2,4,8] at batch 1 from 0.90x to 1.15x ``none``) or on a package with several KV slots,
-        where every call pays for all of them at K + 1 tokens (measured: batch-4 cover 0.71x none,
-        cost 1.04x), and ``cover`` otherwise: on one slot of a graph that pads, and whenever one
-        samples, since ``cost`` depends on measured call times and a seeded sampled request must
-        give the same tokens every run.
+        is ``cost`` for greedy steps on a graph that runs live tokens only (the ort backend's int8/int4
+        graphs and every graph with several KV slots: a draft costs what it is, and cutting a row's
+        drafts to the depth that pays took int4 ``pld`` [0,1,2,4,8] at batch 1 from 0.90x to 1.15x
+        ``none``) or on a package with several KV slots, where every call pays for all of them at K + 1
+        tokens (measured: batch-4 cover 0.71x none, cost 1.04x), and ``cover`` otherwise: on one slot
+        of a graph that pads, and whenever one samples, since ``cost`` depends on measured call times
+        and a seeded sampled request must give the same tokens every run.
         ``max_batch_size`` caps the sequences in flight (default: every KV slot of the package).
         ``backend``: where the package runs, ``ort`` (ONNX Runtime, CPU) or ``qaic`` (its QPC on Cloud
         AI 100, :mod:`qspec.runtime.qaic`); the engine is the same on both.
