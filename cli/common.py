@@ -36,7 +36,8 @@ DraftPackageOption = Annotated[Optional[Path], typer.Option(help="The draft mode
 DispatchOption = Annotated[
     str,
     typer.Option(
-        help="cover: smallest K covering the drafts; cost: most tokens per ms; auto: cover at batch 1, cost above."
+        help="cover: smallest K covering the drafts; cost: most tokens per ms; auto: cost for greedy steps "
+        "with several KV slots or an int8/int4 package, cover otherwise."
     ),
 ]
 
