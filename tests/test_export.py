@@ -202,12 +202,13 @@ def test_continuous_batching_variant(exported, graph_kind):
     assert not any(np.any(v[1]) for v in graph.kv.values())  # the empty row was never written
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("graph_kind", GRAPHS)
-def test_continuous_batching_rows_of_unequal_lengths(exported, graph_kind):
+def test_continuous_batching_rows_of_unequal_lengths(exported, graph_kind, family):
     """One call verifying three tokens on one row, one on another and nothing on a third (the runtime
     graph runs its MatMuls on the four live tokens only) gives each row its own logits; an all-padding
-    call runs and writes nothing."""
-    model_dir, folder, meta = exported("llama", continuous_batching=True)
+    call runs and writes nothing. Every family (qwen3: q/k norm, so q, k and v scattered apart)."""
+    model_dir, folder, meta = exported(family, continuous_batching=True)
     rng = np.random.default_rng(11)
     seqs = rng.integers(3, 259, size=(3, 7)).tolist()
     graph = Graph(folder, meta, rows=3, graph=graph_kind)

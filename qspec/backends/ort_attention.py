@@ -94,7 +94,10 @@ def fuse_attention(
         q, k, v = (producers[prefix + name] for name in ("q_proj", "k_proj", "v_proj"))
         o_proj = producers[prefix + "o_proj"].producer()  # its MatMul reads the attention output
         if attention.qk_norm:  # per-head RMSNorm before RoPE (the CPU kernel has no q/k norm inputs)
-            q, k = (_head_norm(graph, nodes, x, prefix + name, attention) for x, name in ((q, "q_norm"), (k, "k_norm")))
+            q, k = (
+                _head_norm(graph, nodes, x, prefix + name, attention, n)
+                for x, name, n in ((q, "q_norm", attention.num_heads), (k, "k_norm", attention.num_kv_heads))
+            )
         heads = [attention.num_heads, attention.num_kv_heads, attention.num_kv_heads]
         if pack_qkv and not attention.qk_norm:
             q, k, v, heads = _packed_qkv(graph, nodes, (q, k, v), prefix), None, None, [sum(heads), 0, 0]
@@ -348,12 +351,16 @@ def _padded(nodes: list, x, shared: dict, name: str):
     return node.outputs[0]
 
 
-def _head_norm(graph, nodes: list, x, module: str, attention: AttentionInfo):
-    """RMSNorm of each head of ``x`` ``[batch, seq, heads * head_dim]`` with ``<module>.weight``: 3 nodes."""
+def _head_norm(graph, nodes: list, x, module: str, attention: AttentionInfo, num_heads: int):
+    """RMSNorm of each head of ``x`` ``[batch, seq, heads * head_dim]`` with ``<module>.weight``: 3 nodes.
+
+    The shapes name every size but batch and seq (no ``-1``): a call with no live token has seq 0.
+    """
     import onnx_ir as ir
 
-    heads = _constant(graph, f"{module}.heads_shape", np.array([0, 0, -1, attention.head_dim], dtype=np.int64))
-    flat = _constant(graph, f"{module}.flat_shape", np.array([0, 0, -1], dtype=np.int64))
+    dims = [0, 0, num_heads, attention.head_dim]
+    heads = _constant(graph, f"{module}.heads_shape", np.array(dims, dtype=np.int64))
+    flat = _constant(graph, f"{module}.flat_shape", np.array([0, 0, num_heads * attention.head_dim], dtype=np.int64))
     split = ir.node("Reshape", [x, heads], name=f"{module}.split_heads")
     norm = ir.node(
         "SimplifiedLayerNormalization",

@@ -56,7 +56,7 @@ INT8_ACTIVATIONS = 4
 ACCURACY_LEVEL = INT8_ACTIVATIONS
 SYMMETRIC = False
 # Bump when the recipe below changes: cached runtime graphs are keyed by it.
-RECIPE_VERSION = 17
+RECIPE_VERSION = 18
 GRAPH_META = "graph.json"
 # Initializers below this size stay inside the .onnx file.
 EXTERNAL_MIN_BYTES = 1024
