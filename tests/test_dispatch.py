@@ -3,10 +3,30 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from qspec.runtime.dispatch import AcceptanceStats, CallCosts, expected_tokens, pick_k_by_cost
 
 COSTS = {0: 40.0, 4: 80.0}
+PROMPTS = [[5, 6, 7, 8] * 3, [9, 10, 11] * 4, [20, 21] * 5, [30, 31, 32, 33, 34] * 2]
+
+
+@pytest.fixture(scope="module")
+def four_slots(tiny_model, tmp_path_factory):
+    """A tiny llama package with K in {0, 4} and 4 KV slots (its runtime graph runs live tokens only)."""
+    from qspec.compile import CompileOptions, compile_package
+    from qspec.specializations import make_config
+
+    config = make_config(num_speculative_tokens="0,4", prefill_seq_len=8, ctx_len=64, full_batch_size=4)
+    folder = tmp_path_factory.mktemp("four-slots") / "pkg"
+    return compile_package(tiny_model("llama"), CompileOptions(specialization=config), output=folder)[0]
+
+
+def greedy_none(package, params) -> list[list[int]]:
+    """`none`'s greedy tokens for PROMPTS: what every speculative run must give."""
+    from qspec.runtime import Engine
+
+    return [out.token_ids for out in Engine(package, method="none").generate(PROMPTS, params)]
 
 
 def test_expected_tokens_counts_one_per_row_plus_accepted_chain():
@@ -40,16 +60,12 @@ def test_never_a_k_above_the_one_covering_the_longest_proposal():
     assert pick_k_by_cost([0, 1, 4], noisy, [3, 0], np.cumprod([0.9] * 4)) == 4
 
 
-def test_none_at_batch_4_runs_k0_whatever_the_measured_costs(tiny_model, tmp_path):
+def test_none_at_batch_4_runs_k0_whatever_the_measured_costs(four_slots):
     """method none with auto dispatch at 4 slots: every decode call is the smallest K, even if warm-up
     measured the K=4 call cheaper (noisy machine)."""
-    from qspec.compile import CompileOptions, compile_package
     from qspec.runtime import Engine, SamplingParams
-    from qspec.specializations import make_config
 
-    config = make_config(num_speculative_tokens="0,4", prefill_seq_len=8, ctx_len=64, full_batch_size=4)
-    package, _, _ = compile_package(tiny_model("llama"), CompileOptions(specialization=config), output=tmp_path / "pkg")
-    engine = Engine(package, method="none")
+    engine = Engine(four_slots, method="none")
     engine.call_ms = CallCosts({0: 50.0, 4: 10.0})  # as a noisy warm-up could leave them
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     engine.generate(["abc", "def", "ghi", "jkl"], params)
@@ -76,22 +92,17 @@ def test_call_costs_follow_the_calls_not_one_outlier():
     assert costs[4] == 30.0 and costs[0] == 10.0 and dict(costs) == {0: 10.0, 4: 30.0}
 
 
-def test_cost_dispatch_learns_a_k_priced_too_low(tiny_model, tmp_path):
+def test_cost_dispatch_learns_a_k_priced_too_low(four_slots):
     """pld at 4 slots whose warm-up priced K=4 at almost nothing: its calls teach the real price, so
     K=4 stops looking free, and the output is `none`'s."""
-    from qspec.compile import CompileOptions, compile_package
     from qspec.runtime import Engine, SamplingParams
-    from qspec.specializations import make_config
 
-    config = make_config(num_speculative_tokens="0,4", prefill_seq_len=8, ctx_len=64, full_batch_size=4)
-    package, _, _ = compile_package(tiny_model("llama"), CompileOptions(specialization=config), output=tmp_path / "pkg")
-    prompts = [[5, 6, 7, 8] * 3, [9, 10, 11] * 4, [20, 21] * 5, [30, 31, 32, 33, 34] * 2]
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
-    plain = [out.token_ids for out in Engine(package, method="none").generate(prompts, params)]
-    engine = Engine(package, method="pld")
+    plain = greedy_none(four_slots, params)
+    engine = Engine(four_slots, method="pld")
     assert isinstance(engine.call_ms, CallCosts)
     engine.call_ms = CallCosts({0: engine.call_ms[0], 4: 1e-6})
-    assert [out.token_ids for out in engine.generate(prompts, params)] == plain
+    assert [out.token_ids for out in engine.generate(PROMPTS, params)] == plain
     assert engine.last_metrics.calls["4"] > 0  # it ran K=4 while it looked free ...
     assert engine.call_ms[4] > 1e-3  # ... and learned what a call costs
 
@@ -144,23 +155,18 @@ def test_call_costs_price_live_tokens():
     assert round(costs.price(4, 8), 6) == 31.2 and round(costs.price(0, 4), 6) == 21.6
 
 
-def test_cost_dispatch_keeps_verifying_drafts_it_priced_out(tiny_model, tmp_path):
+def test_cost_dispatch_keeps_verifying_drafts_it_priced_out(four_slots):
     """pld at 4 slots whose acceptance estimate says drafts never pass: every EXPLORE_EVERY steps with
     drafts on offer one step verifies one draft a row, so the estimate can recover; output is `none`'s."""
-    from qspec.compile import CompileOptions, compile_package
     from qspec.runtime import Engine, SamplingParams
     from qspec.runtime.dispatch import EXPLORE_EVERY
-    from qspec.specializations import make_config
 
-    config = make_config(num_speculative_tokens="0,4", prefill_seq_len=8, ctx_len=64, full_batch_size=4)
-    package, _, _ = compile_package(tiny_model("llama"), CompileOptions(specialization=config), output=tmp_path / "pkg")
-    prompts = [[5, 6, 7, 8] * 3, [9, 10, 11] * 4, [20, 21] * 5, [30, 31, 32, 33, 34] * 2]
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
-    plain = [out.token_ids for out in Engine(package, method="none").generate(prompts, params)]
-    engine = Engine(package, method="pld")
+    plain = greedy_none(four_slots, params)
+    engine = Engine(four_slots, method="pld")
     assert engine.model.packs_live_tokens  # a continuous-batching runtime graph prices live tokens
     engine.stats.accepted[:] = 1e-9  # as if every draft so far had been rejected
     engine.stats.tried[:] = 1e9
-    assert [out.token_ids for out in engine.generate(prompts, params)] == plain
+    assert [out.token_ids for out in engine.generate(PROMPTS, params)] == plain
     metrics = engine.last_metrics
     assert 0 < metrics.calls["4"] <= metrics.calls["0"] // (EXPLORE_EVERY - 1) + 1

@@ -42,7 +42,7 @@ the names the exporter keeps) and RoPE, heads and windows from the export's
 Continuous batching (``batch_index`` picks the KV row of each of the call's rows): the op's batch is
 the KV rows; the live tokens are scattered to their KV rows and slots, the other KV rows are idle.
 Only attention's inputs and output move, a few ``[rows, query, width]`` copies per layer, never the
-KV cache. Without ``pack_tokens`` (the tests' reference form) the call's rows are scattered whole
+KV cache. Without ``pack_tokens`` (fp32 at one slot, see ort_optimize) the call's rows are scattered whole
 and a one-token call's q, k, v are padded (``Pad``) and its output sliced back.
 """
 
@@ -85,8 +85,7 @@ def fuse_attention(
     inputs = {value.name: value for value in graph.inputs}
     producers = _projection_outputs(graph)
     by_index = contract.BATCH_INDEX in inputs
-    packed = pack_tokens
-    shared = _shared_inputs(graph, inputs, attention, rope_positions, packed=packed)
+    shared = _shared_inputs(graph, inputs, attention, rope_positions, packed=pack_tokens)
     outputs = {value.name: (i, value) for i, value in enumerate(graph.outputs)}
     nodes = []
     for i in range(attention.num_layers):
@@ -101,7 +100,7 @@ def fuse_attention(
         heads = [attention.num_heads, attention.num_kv_heads, attention.num_kv_heads]
         if pack_qkv and not attention.qk_norm:
             q, k, v, heads = _packed_qkv(graph, nodes, (q, k, v), prefix), None, None, [sum(heads), 0, 0]
-        if packed:  # the call's live tokens to their KV rows and slots, zero tokens up to `query` per row
+        if pack_tokens:  # the call's live tokens to their KV rows and slots, zero tokens up to `query` per row
             q, k, v = (
                 _to_kv_slots(nodes, x, shared["zeros"][n * attention.head_dim], shared, f"layers.{i}.{name}")
                 if x is not None
@@ -115,7 +114,7 @@ def fuse_attention(
                 else None
                 for x, n, name in zip((q, k, v), heads, "qkv")
             )
-        if not packed:
+        if not pack_tokens:
             q, k, v = (
                 _padded(nodes, x, shared, f"layers.{i}.{name}") if x is not None else None
                 for x, name in zip((q, k, v), "qkv")
@@ -155,7 +154,7 @@ def fuse_attention(
             name=f"layers.{i}.attention",
         )
         nodes.append(gqa)
-        if packed:  # back to the live tokens, [1, live, width]
+        if pack_tokens:  # back to the live tokens, [1, live, width]
             back = ir.node("GatherND", [gqa.outputs[0], shared["kv_slots"]], name=f"layers.{i}.live_tokens")
             nodes.append(back)
             o_proj.replace_input_with(0, back.outputs[0])
@@ -176,14 +175,14 @@ def fuse_attention(
         o_proj.replace_input_with(0, attended)  # an idle row's rows stay unspecified (see the module doc)
         _retain(graph, outputs, (past_key, gqa.outputs[1]), (past_value, gqa.outputs[2]))
     graph.extend(nodes)
-    if packed:
+    if pack_tokens:
         _pack_live_tokens(graph, inputs, shared)
     graph.sort()
     model.opset_imports[MS_DOMAIN] = 1
     from onnxscript import optimizer
 
     optimizer.remove_unused_nodes(model)
-    if packed and len(inputs[contract.INPUT_IDS].uses()) != 1:  # the exported attention's reads are gone
+    if pack_tokens and len(inputs[contract.INPUT_IDS].uses()) != 1:  # the exported attention's reads are gone
         raise ValueError("packing live tokens: input_ids is still read by more than the live tokens' GatherND")
     for name, value in list(graph.initializers.items()):  # the q, k, v weights a packed graph no longer reads
         if not value.uses() and value not in graph.outputs:

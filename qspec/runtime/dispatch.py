@@ -126,15 +126,13 @@ def plan_by_cost(
     row's drafts cost what they are, and a depth between two compiled Ks (rows cut to 2 drafts in a
     K=4 call) can win.
     """
-    gains = np.concatenate(([0.0], np.cumsum(chain)))
     best, best_rate = (ks[0], 0), -1.0
     for depth in range(pick_k(ks, max(lengths, default=0)) + 1):
         drafts = [min(n, depth, len(chain)) for n in lengths]
         if depth and max(drafts, default=0) < depth:  # no row has that many drafts: nothing deeper
             break
         k = pick_k(ks, max(drafts, default=0))
-        tokens = sum(1.0 + gains[n] for n in drafts)
-        rate = tokens / price(k, sum(1 + n for n in drafts))
+        rate = expected_tokens(lengths, depth, chain) / price(k, sum(1 + n for n in drafts))
         margin = MARGIN if k > best[0] else 1.0  # a larger K must earn the margin; more drafts in the same K need not
         if rate > best_rate * margin + 1e-12:
             best, best_rate = (k, depth), rate
