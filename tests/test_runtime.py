@@ -305,21 +305,29 @@ def test_compute_context_buckets_keep_greedy_output(model, tmp_path, reference, 
         # cover: the K of each step, and so which bucket the last steps reach, must not depend on call
         # timings (auto's cost dispatch prices Ks by measured calls).
         engine = Engine(package, method=method, dispatch="cover")
-        calls, run = [], engine.model.run
+        calls, run, prefill, phase = [], engine.model.run, engine.prefill, {"prefill": False}
 
-        def spy(bound, calls=calls, run=run):  # bound now: this method's engine
+        def spy(bound, calls=calls, run=run, phase=phase):  # bound now: this method's engine
             live = bound.position_ids[bound.position_ids >= 0]
-            calls.append((bound.spec.seq_len == 8, bound.spec.comp_ctx_lengths, int(live.min()), int(live.max())))
+            shape = bound.spec.seq_len == 8  # the prefill shape (a prompt's tail may run in a decode shape)
+            calls.append((phase["prefill"], shape, bound.spec.comp_ctx_lengths, int(live.min()), int(live.max())))
             return run(bound)
 
-        engine.model.run = spy
+        def prefill_spy(group, prefill=prefill, phase=phase):
+            phase["prefill"] = True
+            try:
+                return prefill(group)
+            finally:
+                phase["prefill"] = False
+
+        engine.model.run, engine.prefill = spy, prefill_spy
         outputs = engine.generate(PROMPTS, params)
         for prompt, n, out in zip(PROMPTS, budgets, outputs):
             assert out.token_ids == reference(prompt, n)
-        decode = [c for c in calls if not c[0]]
-        for prefill, ccl, _, last in calls:
-            buckets = [16, 64] if prefill else [16, 32, 64]
-            assert ccl == min(b for b in buckets if b > last), (prefill, ccl, last)
+        decode = [c[1:] for c in calls if not c[0]]
+        for _, prefill_shape, ccl, _, last in calls:
+            buckets = [16, 64] if prefill_shape else [16, 32, 64]
+            assert ccl == min(b for b in buckets if b > last), (prefill_shape, ccl, last)
         # One row at a time reaches every bucket; with 4 rows the 30-token prompt keeps the batch above 16.
         assert {ccl for _, ccl, _, _ in decode} == ({16, 32, 64} if fbs is None else {32, 64})
         if method == "pld" and fbs is None:
@@ -327,15 +335,16 @@ def test_compute_context_buckets_keep_greedy_output(model, tmp_path, reference, 
 
 
 def test_auto_dispatch_covers_at_batch_one_and_costs_above(packages):
-    """`auto` is `cost` for greedy steps on a graph that runs live tokens only or a package with several
-    slots; `cover` on one slot of a graph that pads every row to K + 1, or when one samples."""
+    """`auto` is `cost` for greedy steps with several slots (and on int8/int4 packages, test_weight_formats);
+    `cover` on one fp32 slot (a draft streams no more weights), on a graph that pads every row to K + 1,
+    or when one samples."""
     from types import SimpleNamespace
 
     from qspec.runtime.backend import load_model
 
     greedy, sampled = SimpleNamespace(params=SamplingParams()), SimpleNamespace(params=SamplingParams(temperature=0.7))
-    one_slot = Engine(packages["0,4"], method="pld")  # fp32, one slot: every row padded to K + 1 tokens
-    assert not one_slot.model.packs_live_tokens and one_slot.dispatch == "cover"
+    one_slot = Engine(packages["0,4"], method="pld")  # fp32, one slot: rows trimmed to their live tokens
+    assert one_slot.model.packs_live_tokens and one_slot.dispatch == "cover"
     padded = load_model(packages["0,4"], vendor_graph=True)  # model.onnx pads in every format
     assert not padded.packs_live_tokens and Engine(packages["0,4"], method="pld", model=padded).dispatch == "cover"
     engine = Engine(packages["cb"], method="pld")

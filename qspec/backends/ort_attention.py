@@ -8,13 +8,15 @@ ONNX Runtime's ``com.microsoft.GroupQueryAttention`` does the same work in one n
 buffer shared between ``past`` and ``present`` (the runtime binds both to one OrtValue) and its
 right-padded chunk form (``query_seqlens``). Mapping the contract onto it, per row of a call:
 
-- every node but attention runs on the call's **live tokens** only (``pack_tokens``, what the ort
-  backend builds): the embedding reads their ids (``NonZero`` of ``position_ids >= 0``), the
+- every node but attention runs on the call's **live tokens** only. With several KV slots
+  (``pack_tokens``): the embedding reads their ids (``NonZero`` of ``position_ids >= 0``), the
   MatMuls, norms and MLP see ``[1, live, width]``, and the final norm and LM head run on the live
-  tokens whose logits the call keeps, scattered to ``[batch, keep, vocab]``. A row padded to the
-  call's ``seq_len`` (a batch-4 K=4 call where one row drafts: 8 live tokens of 20), or a draft
-  shorter than its K, costs what its live tokens cost. Attention scatters the live tokens' q, k, v
-  to ``[kv_rows, query, width]`` zeros (``ScatterND``) and gathers its output back (``GatherND``).
+  tokens whose logits the call keeps, scattered to ``[batch, keep, vocab]``; attention scatters the
+  live tokens' q, k, v to ``[kv_rows, query, width]`` zeros (``ScatterND``) and gathers its output
+  back (``GatherND``). At one slot (``trim_rows``): each row is cut to the call's most live tokens in
+  a row (rows are right-padded), no node per layer moves tokens, and the final norm and LM head run
+  on the last kept tokens only. A row padded to the call's ``seq_len`` (a batch-4 K=4 call where one
+  row drafts: 8 live tokens of 20), or a draft shorter than its K, costs what its live tokens cost.
 - the op sees ``query = max(seq_len, MIN_QUERY_TOKENS)`` tokens per row, and a live row runs
   ``max(n, MIN_QUERY_TOKENS)`` of them (``query_seqlens``): a one-token row gets one zero token.
   ONNX Runtime's CPU kernel takes another path for a single query token, whose rounding differs from
@@ -42,8 +44,9 @@ the names the exporter keeps) and RoPE, heads and windows from the export's
 Continuous batching (``batch_index`` picks the KV row of each of the call's rows): the op's batch is
 the KV rows; the live tokens are scattered to their KV rows and slots, the other KV rows are idle.
 Only attention's inputs and output move, a few ``[rows, query, width]`` copies per layer, never the
-KV cache. Without ``pack_tokens`` (fp32 at one slot, see ort_optimize) the call's rows are scattered whole
-and a one-token call's q, k, v are padded (``Pad``) and its output sliced back.
+KV cache. Without ``pack_tokens`` (one slot) a one-token call's q, k, v are padded (``Pad``) and its
+output sliced back. (Running that extra token through every layer instead, as the embedding's second
+token, measured 5 % slower on fp32 and int4 K=0 calls: MatMuls of two rows cost more than one row's.)
 """
 
 from __future__ import annotations
@@ -67,7 +70,13 @@ def rope_tables(attention: AttentionInfo, rows: int) -> tuple[np.ndarray, np.nda
 
 
 def fuse_attention(
-    model, attention: AttentionInfo, rope_positions: int, *, pack_qkv: bool = False, pack_tokens: bool = False
+    model,
+    attention: AttentionInfo,
+    rope_positions: int,
+    *,
+    pack_qkv: bool = False,
+    pack_tokens: bool = False,
+    trim_rows: bool = False,
 ) -> int:
     """Replace every layer's attention of an ``onnx_ir`` model with ``GroupQueryAttention``; returns how many.
 
@@ -77,7 +86,8 @@ def fuse_attention(
     call). Each output column is computed alone (a block-wise quantizer also quantizes each column on
     its own, so a packed weight quantizes to the same values). Not with q/k norm.
     ``pack_tokens``: every node but attention runs on the call's live tokens only (see
-    :func:`_pack_live_tokens`).
+    :func:`_pack_live_tokens`). ``trim_rows`` (a graph without ``batch_index``): every node runs on
+    each row's first ``max(live, MIN_QUERY_TOKENS)`` tokens (see :func:`_trim_rows`).
     """
     import onnx_ir as ir
 
@@ -85,7 +95,9 @@ def fuse_attention(
     inputs = {value.name: value for value in graph.inputs}
     producers = _projection_outputs(graph)
     by_index = contract.BATCH_INDEX in inputs
-    shared = _shared_inputs(graph, inputs, attention, rope_positions, packed=pack_tokens)
+    if trim_rows and (by_index or pack_tokens):
+        raise ValueError("trim_rows is for a graph without batch_index, and not with pack_tokens")
+    shared = _shared_inputs(graph, inputs, attention, rope_positions, packed=pack_tokens, trimmed=trim_rows)
     outputs = {value.name: (i, value) for i, value in enumerate(graph.outputs)}
     nodes = []
     for i in range(attention.num_layers):
@@ -177,13 +189,15 @@ def fuse_attention(
     graph.extend(nodes)
     if pack_tokens:
         _pack_live_tokens(graph, inputs, shared)
+    if trim_rows:
+        _trim_rows(graph, inputs, shared)
     graph.sort()
     model.opset_imports[MS_DOMAIN] = 1
     from onnxscript import optimizer
 
     optimizer.remove_unused_nodes(model)
-    if pack_tokens and len(inputs[contract.INPUT_IDS].uses()) != 1:  # the exported attention's reads are gone
-        raise ValueError("packing live tokens: input_ids is still read by more than the live tokens' GatherND")
+    if (pack_tokens or trim_rows) and len(inputs[contract.INPUT_IDS].uses()) != 1:  # the exported attention's are gone
+        raise ValueError("packing or trimming tokens: input_ids is still read by more than the embedding's input")
     for name, value in list(graph.initializers.items()):  # the q, k, v weights a packed graph no longer reads
         if not value.uses() and value not in graph.outputs:
             graph.initializers.pop(name)
@@ -288,15 +302,15 @@ def _pack_live_tokens(graph, inputs, shared: dict) -> None:
     import onnx_ir as ir
 
     ids = inputs[contract.INPUT_IDS]
-    embeds = [node for node, i in ids.uses() if node.op_type == "Gather" and i == 1 and node.inputs[0].is_initializer()]
+    embed = _embedding(ids)
     index, logits = next((i, v) for i, v in enumerate(graph.outputs) if v.name == contract.LOGITS)
     pick = logits.producer()
     for _ in range(8):  # back from the logits through the LM head and the final norm to the epilogue's pick
         if pick is None or pick.op_type == "GatherElements":
             break
         pick = pick.inputs[0].producer()
-    if len(embeds) != 1 or pick is None or pick.op_type != "GatherElements":
-        raise ValueError("packing live tokens needs one embedding Gather of input_ids and a logits GatherElements")
+    if pick is None or pick.op_type != "GatherElements":
+        raise ValueError("packing live tokens needs the epilogue's logits GatherElements")
     nodes = []
 
     def op(op_type: str, *args, **attributes) -> ir.Value:
@@ -309,7 +323,7 @@ def _pack_live_tokens(graph, inputs, shared: dict) -> None:
 
     axis0, axis1 = constant("axis0", np.array([0], np.int64)), constant("axis1", np.array([1], np.int64))
     zero, one = constant("zero", np.array(0, np.int64)), constant("one", np.array(1, np.int64))
-    embeds[0].replace_input_with(1, op("GatherND", ids, shared["live_tokens"]))  # [1, live]
+    embed.replace_input_with(1, op("GatherND", ids, shared["live_tokens"]))  # [1, live]
     # Each live token's entry among its row's kept logits: slot - last + keep - 1 (kept when >= 0).
     positions = inputs[contract.POSITION_IDS]
     call_shape = op("Shape", positions)  # [batch, seq]
@@ -336,6 +350,79 @@ def _pack_live_tokens(graph, inputs, shared: dict) -> None:
     out = scatter.outputs[0]
     out.shape, out.type = logits.shape, logits.type
     logits.name = "tokens.live_logits"
+    out.name = contract.LOGITS
+    graph.outputs[index] = out
+    graph.extend(nodes)
+
+
+def _embedding(ids):
+    """The embedding ``Gather`` of ``input_ids`` (a ``ValueError`` unless there is exactly one)."""
+    embeds = [node for node, i in ids.uses() if node.op_type == "Gather" and i == 1 and node.inputs[0].is_initializer()]
+    if len(embeds) != 1:
+        raise ValueError("packing or trimming tokens needs one embedding Gather of input_ids")
+    return embeds[0]
+
+
+def _trim_rows(graph, inputs, shared: dict) -> None:
+    """Run every node on each row's first ``query`` tokens (``shared["query"]``: the call's most live
+    tokens in a row, at least ``MIN_QUERY_TOKENS``), for a graph without ``batch_index``.
+
+    Rows are right-padded (the contract's epilogue reads them so): a row's live tokens are its first
+    slots. The embedding reads ``input_ids`` with one padding column appended and cut to ``query``
+    columns, so a one-token call runs two tokens: the second is the op's extra token (see the module
+    doc), here a padding id that rides through every layer like a rejected draft, written past the
+    row's last live slot and never read. No node per layer moves tokens (no ``Pad``, ``Slice``,
+    ``ScatterND`` or ``GatherND``), and a K=4 call whose row drafts 2 tokens runs 3, not 5. The
+    epilogue's pick of the last ``num_logits_to_keep`` live tokens of each row is recomputed on the
+    trimmed rows (the exported one counts slots up to the hidden states' length, now ``query``).
+    """
+    import onnx_ir as ir
+
+    ids = inputs[contract.INPUT_IDS]
+    embed = _embedding(ids)
+    index, logits = next((i, v) for i, v in enumerate(graph.outputs) if v.name == contract.LOGITS)
+    pick = logits.producer()
+    for _ in range(8):  # back from the logits through the LM head and the final norm to the epilogue's pick
+        if pick is None or pick.op_type == "GatherElements":
+            break
+        pick = pick.inputs[0].producer()
+    if pick is None or pick.op_type != "GatherElements":
+        raise ValueError("trimming rows needs the epilogue's logits GatherElements")
+    nodes = []
+
+    def op(op_type: str, *args, **attributes) -> ir.Value:
+        node = ir.node(op_type, list(args), attributes=attributes, name=f"rows.{op_type}.{len(nodes)}")
+        nodes.append(node)
+        return node.outputs[0]
+
+    def constant(name: str, array: np.ndarray) -> ir.Value:
+        return _constant(graph, f"rows.{name}", array)
+
+    zero, one = constant("zero", np.array(0, np.int64)), constant("one", np.array(1, np.int64))
+    axis0, axis1 = constant("axis0", np.array([0], np.int64)), constant("axis1", np.array([1], np.int64))
+    axis2 = constant("axis2", np.array([2], np.int64))
+    embed.replace_input_with(1, op("Slice", ids, constant("start", np.array([0], np.int64)), shared["seq_1d"], axis1))
+    keeps = inputs.get(contract.NUM_LOGITS_TO_KEEP)
+    keep = op("Gather", op("Shape", keeps), zero) if keeps is not None else one
+    last = op("Max", op("Sub", shared["count"], one), zero)  # [rows]: each row's last live slot (0 when idle)
+    first_kept = op("Sub", last, op("Sub", keep, one))
+    slots = op("Max", op("Add", op("Unsqueeze", first_kept, axis1), op("Range", zero, keep, one)), zero)  # [rows, keep]
+    hidden = pick.inputs[0]
+    shape = op("Concat", op("Shape", slots), op("Shape", hidden, start=2), axis=0)
+    pick.replace_input_with(1, op("Expand", op("Unsqueeze", slots, axis2), shape))
+    # The final norm and LM head run on the last min(keep, most live tokens in a row) picks; the
+    # logits entries before them are zeros (as a packed graph's: no caller reads them).
+    uses = list(pick.outputs[0].uses())
+    kept = op("Min", keep, op("ReduceMax", shared["count"], keepdims=0))
+    skipped = op("Unsqueeze", op("Sub", keep, kept), axis0)
+    picked = op("Slice", pick.outputs[0], skipped, op("Unsqueeze", keep, axis0), axis1)  # [rows, kept, hidden]
+    for node, i in uses:
+        node.replace_input_with(i, picked)
+    zeros_2 = constant("zeros_2", np.zeros(2, np.int64))
+    pads = op("Concat", constant("zero_1d", np.array([0], np.int64)), skipped, zeros_2, zeros_2, axis=0)
+    out = op("Pad", logits, pads)  # [rows, keep, vocab]
+    out.shape, out.type = logits.shape, logits.type
+    logits.name = "rows.live_logits"
     out.name = contract.LOGITS
     graph.outputs[index] = out
     graph.extend(nodes)
@@ -373,12 +460,14 @@ def _head_norm(graph, nodes: list, x, module: str, attention: AttentionInfo, num
 
 
 def _shared_inputs(
-    graph, inputs, attention: AttentionInfo, rope_positions: int, *, packed: bool = False
+    graph, inputs, attention: AttentionInfo, rope_positions: int, *, packed: bool = False, trimmed: bool = False
 ) -> dict[str, object]:
     """What every layer's attention reads, computed once from ``position_ids`` (a dozen nodes).
 
     ``packed``: also where each live token of the call goes (``live_tokens``: its call row and slot,
     ``kv_slots``: its KV row and slot, both ``[1, live, 2]``), and zeros ``[kv_rows, query, width]``.
+    ``trimmed``: the op's tokens per row are the call's most live tokens in a row (at least
+    ``MIN_QUERY_TOKENS``), not ``seq_len`` (see :func:`_trim_rows`).
     """
     import onnx_ir as ir
 
@@ -437,6 +526,9 @@ def _shared_inputs(
         }
     row_valid = op("GreaterOrEqual", positions, zero)  # [rows, seq]: the op's rows (KV rows with batch_index)
     count = op("ReduceSum", op("Cast", row_valid, to=ir.DataType.INT64), axis1, keepdims=0)
+    if trimmed:  # every row cut to the call's most live tokens in a row
+        seq = op("Max", op("ReduceMax", count, keepdims=0), one)  # an idle call runs one padding token
+        query = op("Max", seq, constant("attn.min_query_trim", np.array(MIN_QUERY_TOKENS, np.int64)))
     last = op("ReduceMax", positions, axis1, keepdims=0)  # [rows]: -1 for an idle row
     live_row = op("Greater", count, zero)
     pad_end = op("Unsqueeze", op("Sub", query, seq), axis0)
@@ -451,6 +543,8 @@ def _shared_inputs(
     total = op("Max", op("Add", op("ReduceMax", seqlens_k, keepdims=0), one), query)  # >= every T and query
     cos, sin = rope_tables(attention, rope_positions)
     shared = {
+        "query": query,
+        "count": count,
         "query_pads": pads,
         "zero_1d": zero_1d,
         "seq_1d": op("Unsqueeze", seq, axis0),

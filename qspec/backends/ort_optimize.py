@@ -56,7 +56,7 @@ INT8_ACTIVATIONS = 4
 ACCURACY_LEVEL = INT8_ACTIVATIONS
 SYMMETRIC = False
 # Bump when the recipe below changes: cached runtime graphs are keyed by it.
-RECIPE_VERSION = 18
+RECIPE_VERSION = 22
 GRAPH_META = "graph.json"
 # Initializers below this size stay inside the .onnx file.
 EXTERNAL_MIN_BYTES = 1024
@@ -190,16 +190,14 @@ def optimize_graph(
         value.shape = contract_shapes[value.name]
     if attention is not None:
         say("fusing attention (GroupQueryAttention)")
-        # MatMuls over live tokens only where a padding token costs more than the packing: with several
-        # KV rows (a row padded to the call's seq_len), and in int8/int4 (a verify token costs ~15 % of
-        # a call). Not fp32 at one row: its MatMuls stream weights, a padding token is almost free, and
-        # the packed K=0 call measured 3-10 % slower (fp32 `none` 0.91x -> 0.82x ORT GenAI greedy).
-        pack = bits is not None or contract.BATCH_INDEX in contract_shapes
+        # Every node but attention on live tokens only: with several KV rows the call's live tokens are
+        # packed ([1, live, width], scattered to the op's rows and back in every layer); without, each
+        # row is trimmed to the call's most live tokens in a row, no node per layer moves tokens.
+        pack = contract.BATCH_INDEX in contract_shapes
         fusions["group_query_attention"] = fuse_attention(
-            model, attention, rope_positions, pack_qkv=True, pack_tokens=pack
+            model, attention, rope_positions, pack_qkv=True, pack_tokens=pack, trim_rows=not pack
         )
-        if pack:
-            fusions["live_tokens"] = 1
+        fusions["live_tokens" if pack else "trimmed_rows"] = 1
     quantized = 0
     if bits is None:
         ir.save(model, str(target))  # the packed q/k/v inline, the rest pointing into the source's .data file

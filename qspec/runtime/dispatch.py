@@ -30,7 +30,7 @@ import numpy as np
 
 from qspec.errors import ConfigError
 
-# auto: cost for greedy steps on a graph that runs live tokens only or has several slots, else cover
+# auto: cost for greedy steps with several slots or int8/int4 weights, else cover (see Engine)
 DISPATCH_MODES = ("auto", "cover", "cost")
 # A larger K must promise 10 % more tokens per ms than the best smaller one: the estimate is high for
 # Ks that rarely run (pld [0,4] at batch 4 ran 49 K=4 calls on it and landed 0.95x none).
@@ -121,8 +121,8 @@ def plan_by_cost(
     larger K must beat the best one so far by :data:`MARGIN`. ``price(K, live_tokens)``: ms of a call.
 
     On a graph that pads every row to ``K + 1`` tokens the price depends on K only, and the plans are
-    the Ks up to the ``cover`` K. On a graph whose MatMuls run on live tokens only (several KV
-    slots, or int8/int4: ``pack_tokens`` of :func:`qspec.backends.ort_attention.fuse_attention`) a
+    the Ks up to the ``cover`` K. On a graph whose MatMuls run on live tokens only (the runtime
+    graph: ``pack_tokens`` or ``trim_rows`` of :func:`qspec.backends.ort_attention.fuse_attention`) a
     row's drafts cost what they are, and a depth between two compiled Ks (rows cut to 2 drafts in a
     K=4 call) can win.
     """

@@ -139,7 +139,13 @@ class Engine:
         self.eos_token_ids = frozenset(eos)
         if dispatch not in DISPATCH_MODES:
             raise ConfigError(f"dispatch {dispatch!r}: use {', '.join(DISPATCH_MODES)}")
-        one_row = self.num_slots == 1 and not self.model.packs_live_tokens
+        # auto prices calls where a verified draft costs: several slots (the last request alone would
+        # otherwise pay every row) or int8/int4 weights (a live token ~15 % of a call). fp32 at one slot
+        # streams its weights and a draft is almost free there: cover measured ahead (pld, suffix [0,4]
+        # and [0,1,2,4,8]: 1.26-1.35x none with cover, 1.16-1.23x with cost).
+        one_row = self.num_slots == 1 and (
+            not self.model.packs_live_tokens or self.model.manifest.weight_format == "fp32"
+        )
         self.dispatch = dispatch if not (dispatch == "auto" and one_row) else "cover"
         self.stats = AcceptanceStats(self.k_max)
         self._unverified = 0  # cost dispatch: steps since drafts were last verified (EXPLORE_EVERY)

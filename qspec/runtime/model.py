@@ -69,7 +69,9 @@ class CompiledModel(LoadedModel):
         specs = self.manifest.specializations
 
         graph = None if vendor_graph else self.manifest.runtime_graph
-        self.packs_live_tokens = bool(graph is not None and graph.fusions.get("live_tokens"))
+        self.packs_live_tokens = bool(
+            graph is not None and (graph.fusions.get("live_tokens") or graph.fusions.get("trimmed_rows"))
+        )
         # GroupQueryAttention wants room for a whole padded chunk past a row's first position (see
         # RuntimeGraph.kv_slack); positions stay < ctx_len.
         slack = graph.kv_slack(max(s.seq_len for s in specs)) if graph is not None else 0
