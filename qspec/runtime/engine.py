@@ -240,7 +240,9 @@ class Engine:
         """One decode step for every live sequence: propose, pick K, verify, accept."""
         batch = list(zip(live, self.propose(live)))
         lengths = [len(p) for _, p in batch]
-        if self.dispatch_for(live) == "cost":
+        if self.k_max == 0:  # `none`: nothing to verify, nothing to plan
+            k, depth = self.ks[0], 0
+        elif self.dispatch_for(live) == "cost":
             k, depth = plan_by_cost(self.ks, self._price, lengths, self.stats.chain())
             if depth == 0 and max(lengths) > 0 and self.k_max > 0:
                 self._unverified += 1  # steps with drafts on offer that verified none
