@@ -14,9 +14,10 @@ right-padded chunk form (``query_seqlens``). Mapping the contract onto it, per r
   tokens whose logits the call keeps, scattered to ``[batch, keep, vocab]``; attention scatters the
   live tokens' q, k, v to ``[kv_rows, query, width]`` zeros (``ScatterND``) and gathers its output
   back (``GatherND``). At one slot (``trim_rows``): each row is cut to the call's most live tokens in
-  a row (rows are right-padded), no node per layer moves tokens, and the final norm and LM head run
-  on the last kept tokens only. A row padded to the call's ``seq_len`` (a batch-4 K=4 call where one
-  row drafts: 8 live tokens of 20), or a draft shorter than its K, costs what its live tokens cost.
+  a row (rows are right-padded) before the embedding, and the final norm and LM head run on the last
+  kept tokens only; per layer only attention's padding moves tokens (below). A row padded to the
+  call's ``seq_len`` (a batch-4 K=4 call where one row drafts: 8 live tokens of 20), or a draft
+  shorter than its K, costs what its live tokens cost.
 - the op sees ``query = max(seq_len, MIN_QUERY_TOKENS)`` tokens per row, and a live row runs
   ``max(n, MIN_QUERY_TOKENS)`` of them (``query_seqlens``): a one-token row gets one zero token.
   ONNX Runtime's CPU kernel takes another path for a single query token, whose rounding differs from
@@ -86,8 +87,9 @@ def fuse_attention(
     call). Each output column is computed alone (a block-wise quantizer also quantizes each column on
     its own, so a packed weight quantizes to the same values). Not with q/k norm.
     ``pack_tokens``: every node but attention runs on the call's live tokens only (see
-    :func:`_pack_live_tokens`). ``trim_rows`` (a graph without ``batch_index``): every node runs on
-    each row's first ``max(live, MIN_QUERY_TOKENS)`` tokens (see :func:`_trim_rows`).
+    :func:`_pack_live_tokens`). ``trim_rows`` (a graph without ``batch_index``): every node but
+    attention runs on each row's first live tokens, as many as the call's longest row has (see
+    :func:`_trim_rows`).
     """
     import onnx_ir as ir
 
@@ -302,24 +304,9 @@ def _pack_live_tokens(graph, inputs, shared: dict) -> None:
     import onnx_ir as ir
 
     ids = inputs[contract.INPUT_IDS]
-    embed = _embedding(ids)
-    index, logits = next((i, v) for i, v in enumerate(graph.outputs) if v.name == contract.LOGITS)
-    pick = logits.producer()
-    for _ in range(8):  # back from the logits through the LM head and the final norm to the epilogue's pick
-        if pick is None or pick.op_type == "GatherElements":
-            break
-        pick = pick.inputs[0].producer()
-    if pick is None or pick.op_type != "GatherElements":
-        raise ValueError("packing live tokens needs the epilogue's logits GatherElements")
+    embed, (index, logits), pick = _token_ends(graph, ids, "packing live tokens")
     nodes = []
-
-    def op(op_type: str, *args, **attributes) -> ir.Value:
-        node = ir.node(op_type, list(args), attributes=attributes, name=f"tokens.{op_type}.{len(nodes)}")
-        nodes.append(node)
-        return node.outputs[0]
-
-    def constant(name: str, array: np.ndarray) -> ir.Value:
-        return _constant(graph, f"tokens.{name}", array)
+    op, constant = _builder(graph, nodes, "tokens")
 
     axis0, axis1 = constant("axis0", np.array([0], np.int64)), constant("axis1", np.array([1], np.int64))
     zero, one = constant("zero", np.array(0, np.int64)), constant("one", np.array(1, np.int64))
@@ -355,53 +342,62 @@ def _pack_live_tokens(graph, inputs, shared: dict) -> None:
     graph.extend(nodes)
 
 
-def _embedding(ids):
-    """The embedding ``Gather`` of ``input_ids`` (a ``ValueError`` unless there is exactly one)."""
+def _token_ends(graph, ids, purpose: str):
+    """``(embedding, (index, logits), pick)``: the embedding ``Gather`` of ``ids``, the logits output
+    and its index among the graph's outputs, and the epilogue's ``GatherElements`` that picks the
+    hidden states of the kept tokens (found back from the logits through the LM head and the final
+    norm). A ``ValueError`` naming ``purpose`` when either is not found once."""
     embeds = [node for node, i in ids.uses() if node.op_type == "Gather" and i == 1 and node.inputs[0].is_initializer()]
     if len(embeds) != 1:
-        raise ValueError("packing or trimming tokens needs one embedding Gather of input_ids")
-    return embeds[0]
-
-
-def _trim_rows(graph, inputs, shared: dict) -> None:
-    """Run every node on each row's first ``query`` tokens (``shared["query"]``: the call's most live
-    tokens in a row, at least ``MIN_QUERY_TOKENS``), for a graph without ``batch_index``.
-
-    Rows are right-padded (the contract's epilogue reads them so): a row's live tokens are its first
-    slots. The embedding reads ``input_ids`` with one padding column appended and cut to ``query``
-    columns, so a one-token call runs two tokens: the second is the op's extra token (see the module
-    doc), here a padding id that rides through every layer like a rejected draft, written past the
-    row's last live slot and never read. No node per layer moves tokens (no ``Pad``, ``Slice``,
-    ``ScatterND`` or ``GatherND``), and a K=4 call whose row drafts 2 tokens runs 3, not 5. The
-    epilogue's pick of the last ``num_logits_to_keep`` live tokens of each row is recomputed on the
-    trimmed rows (the exported one counts slots up to the hidden states' length, now ``query``).
-    """
-    import onnx_ir as ir
-
-    ids = inputs[contract.INPUT_IDS]
-    embed = _embedding(ids)
+        raise ValueError(f"{purpose} needs one embedding Gather of input_ids")
     index, logits = next((i, v) for i, v in enumerate(graph.outputs) if v.name == contract.LOGITS)
     pick = logits.producer()
-    for _ in range(8):  # back from the logits through the LM head and the final norm to the epilogue's pick
+    for _ in range(8):
         if pick is None or pick.op_type == "GatherElements":
             break
         pick = pick.inputs[0].producer()
     if pick is None or pick.op_type != "GatherElements":
-        raise ValueError("trimming rows needs the epilogue's logits GatherElements")
-    nodes = []
+        raise ValueError(f"{purpose} needs the epilogue's logits GatherElements")
+    return embeds[0], (index, logits), pick
+
+
+def _builder(graph, nodes: list, prefix: str):
+    """``op(op_type, *inputs, **attributes)``: a node named ``{prefix}.{op_type}.{n}`` appended to
+    ``nodes``, its output returned; ``constant(name, array)``: an initializer ``{prefix}.{name}``."""
+    import onnx_ir as ir
 
     def op(op_type: str, *args, **attributes) -> ir.Value:
-        node = ir.node(op_type, list(args), attributes=attributes, name=f"rows.{op_type}.{len(nodes)}")
+        node = ir.node(op_type, list(args), attributes=attributes, name=f"{prefix}.{op_type}.{len(nodes)}")
         nodes.append(node)
         return node.outputs[0]
 
     def constant(name: str, array: np.ndarray) -> ir.Value:
-        return _constant(graph, f"rows.{name}", array)
+        return _constant(graph, f"{prefix}.{name}", array)
+
+    return op, constant
+
+
+def _trim_rows(graph, inputs, shared: dict) -> None:
+    """Run every node but attention on each row's first ``seq`` tokens (``shared["seq_1d"]``: the
+    call's most live tokens in a row, at least one), for a graph without ``batch_index``.
+
+    Rows are right-padded (the contract's epilogue reads them so): a row's live tokens are its first
+    slots. The embedding reads ``input_ids`` cut to ``seq`` columns; attention pads its q, k, v to
+    ``query`` tokens and slices its output back, as a one-slot graph always did (see the module doc).
+    A K=4 call whose row drafts 2 tokens runs 3 tokens through the MatMuls, not 5. The epilogue's pick
+    of the last ``num_logits_to_keep`` live tokens of each row is recomputed on the trimmed rows (the
+    exported one counts slots up to the hidden states' length, now ``seq``), and the final norm and
+    LM head run on the last ``min(keep, seq)`` picks, the logits padded back to ``keep`` in front.
+    """
+    ids = inputs[contract.INPUT_IDS]
+    embed, (index, logits), pick = _token_ends(graph, ids, "trimming rows")
+    nodes = []
+    op, constant = _builder(graph, nodes, "rows")
 
     zero, one = constant("zero", np.array(0, np.int64)), constant("one", np.array(1, np.int64))
     axis0, axis1 = constant("axis0", np.array([0], np.int64)), constant("axis1", np.array([1], np.int64))
     axis2 = constant("axis2", np.array([2], np.int64))
-    embed.replace_input_with(1, op("Slice", ids, constant("start", np.array([0], np.int64)), shared["seq_1d"], axis1))
+    embed.replace_input_with(1, op("Slice", ids, shared["zero_1d"], shared["seq_1d"], axis1))
     keeps = inputs.get(contract.NUM_LOGITS_TO_KEEP)
     keep = op("Gather", op("Shape", keeps), zero) if keeps is not None else one
     last = op("Max", op("Sub", shared["count"], one), zero)  # [rows]: each row's last live slot (0 when idle)
@@ -419,7 +415,7 @@ def _trim_rows(graph, inputs, shared: dict) -> None:
     for node, i in uses:
         node.replace_input_with(i, picked)
     zeros_2 = constant("zeros_2", np.zeros(2, np.int64))
-    pads = op("Concat", constant("zero_1d", np.array([0], np.int64)), skipped, zeros_2, zeros_2, axis=0)
+    pads = op("Concat", shared["zero_1d"], skipped, zeros_2, zeros_2, axis=0)
     out = op("Pad", logits, pads)  # [rows, keep, vocab]
     out.shape, out.type = logits.shape, logits.type
     logits.name = "rows.live_logits"
@@ -466,28 +462,22 @@ def _shared_inputs(
 
     ``packed``: also where each live token of the call goes (``live_tokens``: its call row and slot,
     ``kv_slots``: its KV row and slot, both ``[1, live, 2]``), and zeros ``[kv_rows, query, width]``.
-    ``trimmed``: the op's tokens per row are the call's most live tokens in a row (at least
-    ``MIN_QUERY_TOKENS``), not ``seq_len`` (see :func:`_trim_rows`).
+    ``trimmed``: ``seq`` is the call's most live tokens in a row (at least one), not ``seq_len``, and
+    ``query`` at least ``MIN_QUERY_TOKENS`` of them (see :func:`_trim_rows`).
     """
     import onnx_ir as ir
 
-    def constant(name: str, array: np.ndarray) -> ir.Value:
-        return _constant(graph, name, array)
-
-    positions = inputs[contract.POSITION_IDS]
-    zero, one = constant("attn.zero", np.array(0, np.int64)), constant("attn.one", np.array(1, np.int64))
-    axis0 = constant("attn.axis0", np.array([0], np.int64))
-    axis1 = constant("attn.axis1", np.array([1], np.int64))
     nodes = []
-
-    def op(op_type: str, *args, **attributes) -> ir.Value:
-        node = ir.node(op_type, list(args), attributes=attributes, name=f"attn.{op_type}.{len(nodes)}")
-        nodes.append(node)
-        return node.outputs[0]
+    op, constant = _builder(graph, nodes, "attn")
+    positions = inputs[contract.POSITION_IDS]
+    zero, one = constant("zero", np.array(0, np.int64)), constant("one", np.array(1, np.int64))
+    axis0 = constant("axis0", np.array([0], np.int64))
+    axis1 = constant("axis1", np.array([1], np.int64))
 
     seq = op("Gather", op("Shape", positions), one)  # scalar
     # The op's tokens per row: seq, at least MIN_QUERY_TOKENS (q, k, v padded with zero tokens).
-    query = op("Max", seq, constant("attn.min_query", np.array(MIN_QUERY_TOKENS, np.int64)))
+    min_query = constant("min_query", np.array(MIN_QUERY_TOKENS, np.int64))
+    query = op("Max", seq, min_query)
     extra = {}
     batch_index = inputs.get(contract.BATCH_INDEX)
     call_rows = op("Squeeze", batch_index, axis1) if batch_index is not None else None
@@ -509,7 +499,7 @@ def _shared_inputs(
         # Continuous batching: the call's rows are KV rows batch_index; attention runs over every KV
         # row, those not in the call idle (all positions PAD_POSITION), its inputs scattered there.
         full = op("Concat", op("Unsqueeze", kv_rows, axis0), op("Unsqueeze", seq, axis0), axis=0)  # [kv_rows, seq]
-        pad = constant("attn.pad", np.array(contract.PAD_POSITION, np.int64))
+        pad = constant("pad", np.array(contract.PAD_POSITION, np.int64))
         positions = op("ScatterND", op("Expand", pad, full), batch_index, positions)
         extra |= {"batch_index": batch_index, "call_rows": call_rows}
     if batch_index is not None or packed:
@@ -517,33 +507,32 @@ def _shared_inputs(
         # (the op's zero tokens come with the scatter: no Pad)
         width = query if packed else seq
         full = op("Concat", op("Unsqueeze", kv_rows, axis0), op("Unsqueeze", width, axis0), axis=0)
-        zero_f = constant("attn.zero_float_1d", np.zeros(1, np.float32))
+        zero_f = constant("zero_float_1d", np.zeros(1, np.float32))
         heads = (attention.num_heads, attention.num_kv_heads, attention.num_heads + 2 * attention.num_kv_heads)
         widths = {n * attention.head_dim for n in heads}  # q, k and v, or packed QKV
         extra["zeros"] = {
-            w: op("Expand", zero_f, op("Concat", full, constant(f"attn.width{w}", np.array([w], np.int64)), axis=0))
+            w: op("Expand", zero_f, op("Concat", full, constant(f"width{w}", np.array([w], np.int64)), axis=0))
             for w in sorted(widths)
         }
     row_valid = op("GreaterOrEqual", positions, zero)  # [rows, seq]: the op's rows (KV rows with batch_index)
     count = op("ReduceSum", op("Cast", row_valid, to=ir.DataType.INT64), axis1, keepdims=0)
     if trimmed:  # every row cut to the call's most live tokens in a row
         seq = op("Max", op("ReduceMax", count, keepdims=0), one)  # an idle call runs one padding token
-        query = op("Max", seq, constant("attn.min_query_trim", np.array(MIN_QUERY_TOKENS, np.int64)))
+        query = op("Max", seq, min_query)
     last = op("ReduceMax", positions, axis1, keepdims=0)  # [rows]: -1 for an idle row
     live_row = op("Greater", count, zero)
     pad_end = op("Unsqueeze", op("Sub", query, seq), axis0)
-    zero_1d = constant("attn.zero_1d", np.array([0], np.int64))
-    pads_begin = constant("attn.pads_begin", np.zeros(4, np.int64))
+    zero_1d = constant("zero_1d", np.array([0], np.int64))
+    pads_begin = constant("pads_begin", np.zeros(4, np.int64))
     pads = op("Concat", pads_begin, pad_end, zero_1d, axis=0)  # [0, 0, 0, 0, query - seq, 0]
     # A live row runs its live tokens, at least MIN_QUERY_TOKENS, from its first live position p:
     # T = p + row_query = last - count + 1 + row_query.
-    row_query = op("Max", count, constant("attn.min_query_rows", np.array(MIN_QUERY_TOKENS, np.int64)))
+    row_query = op("Max", count, min_query)
     seqlens_k = op("Where", live_row, op("Sub", op("Add", last, row_query), count), zero)
     query_seqlens = op("Where", live_row, row_query, zero)
     total = op("Max", op("Add", op("ReduceMax", seqlens_k, keepdims=0), one), query)  # >= every T and query
     cos, sin = rope_tables(attention, rope_positions)
     shared = {
-        "query": query,
         "count": count,
         "query_pads": pads,
         "zero_1d": zero_1d,
@@ -552,8 +541,8 @@ def _shared_inputs(
         "seqlens_k": op("Cast", seqlens_k, to=ir.DataType.INT32),
         "query_seqlens": op("Cast", query_seqlens, to=ir.DataType.INT32),
         "total_sequence_length": op("Cast", total, to=ir.DataType.INT32),
-        "cos_cache": constant("attn.cos_cache", cos),
-        "sin_cache": constant("attn.sin_cache", sin),
+        "cos_cache": constant("cos_cache", cos),
+        "sin_cache": constant("sin_cache", sin),
         **extra,
     }
     graph.extend(nodes)

@@ -192,7 +192,8 @@ def optimize_graph(
         say("fusing attention (GroupQueryAttention)")
         # Every node but attention on live tokens only: with several KV rows the call's live tokens are
         # packed ([1, live, width], scattered to the op's rows and back in every layer); without, each
-        # row is trimmed to the call's most live tokens in a row, no node per layer moves tokens.
+        # row is cut to the call's most live tokens in a row before the embedding (attention still pads
+        # a one-token call, see ort_attention).
         pack = contract.BATCH_INDEX in contract_shapes
         fusions["group_query_attention"] = fuse_attention(
             model, attention, rope_positions, pack_qkv=True, pack_tokens=pack, trim_rows=not pack

@@ -244,7 +244,7 @@ class Engine:
             k, depth = self.ks[0], 0
         elif self.dispatch_for(live) == "cost":
             k, depth = plan_by_cost(self.ks, self._price, lengths, self.stats.chain())
-            if depth == 0 and max(lengths) > 0 and self.k_max > 0:
+            if depth == 0 and max(lengths) > 0:
                 self._unverified += 1  # steps with drafts on offer that verified none
                 if self._unverified >= EXPLORE_EVERY:
                     k, depth = pick_k(self.ks, 1), 1
