@@ -52,6 +52,13 @@ def bench(
     micro_iterations: Annotated[
         Optional[int], typer.Option(help="Calls per specialization in the micro-benchmark; 0 = skip.")
     ] = None,
+    prefill_chunk_sizes: Annotated[
+        Optional[str],
+        typer.Option(
+            help="Prefill chunk sizes whose TTFT the micro phase times, e.g. 32,64,128 "
+            "(default 16,32,64,128,256 up to what the packages take; '' = none)."
+        ),
+    ] = None,
     round_size: Annotated[Optional[int], typer.Option(help="Prompts per interleaving round.")] = None,
     ctx_len: CtxLenOption = DEFAULT_CTX_LEN,
     prefill_seq_len: PrefillSeqLenOption = DEFAULT_PREFILL_SEQ_LEN,
@@ -90,6 +97,7 @@ def bench(
             peers=peers,
             memory=memory,
             micro_iterations=micro_iterations,
+            prefill_chunk_sizes=prefill_chunk_sizes,
             round_size=round_size,
             ctx_len=ctx_len,
             prefill_seq_len=prefill_seq_len,

@@ -186,6 +186,28 @@ def test_report_has_targets_micro_and_memory(bench_run):
     assert all(0 <= share <= 1 for s in report.configs for share in s.round_other_cpu)
 
 
+def test_report_has_ttft_per_prefill_chunk_size(bench_run):
+    """Each batch-1 package prefills the prompts in chunks of its own size (8) and of every default size it
+    takes (16 and 32: the prefill bucket is 32): longer chunks, fewer calls; the table is in report.md."""
+    out, report, _ = bench_run
+    chunks = report.micro.prefill
+    assert [(c.weight_format, c.prefill_seq_len, c.package_default) for c in chunks] == [
+        ("fp32", 8, True),
+        ("fp32", 16, False),
+        ("fp32", 32, False),
+        ("int4", 8, True),
+        ("int4", 16, False),
+        ("int4", 32, False),
+    ]
+    assert all(c.ttft_median_ms > 0 for c in chunks)
+    for fmt in ("fp32", "int4"):
+        calls = [c.prefill_calls_per_prompt for c in chunks if c.weight_format == fmt]
+        assert calls[0] > calls[-1] >= 1 and calls == sorted(calls, reverse=True)
+    assert report.micro.prefill_prompts == len(PROMPTS) and report.micro.prefill_rounds == 2
+    markdown = (out / "report.md").read_text()
+    assert "## TTFT per prefill chunk size" in markdown and "| fp32 | **8** |" in markdown
+
+
 def _summary(method: str, batch: int, requests_per_s: float, per_category: dict[str, float]) -> ConfigSummary:
     """A summary with only what the ratios read: requests/s overall and per category."""
     overall = Overall.from_metrics(aggregate([], 1.0, {})).model_copy(update={"requests_per_s": requests_per_s})
@@ -275,6 +297,8 @@ def test_plan_and_prompts(prompts_file):
         ({"turns": 3}, "turns"),
         ({"weight_formats": "fp32,int3"}, "int3"),
         ({"weight_formats": ["fp16"]}, "choose from fp32, int8, int4"),
+        ({"prefill_chunk_sizes": "64,512"}, r"prefill_chunk_sizes \[512\] exceed 256"),
+        ({"prefill_chunk_sizes": "0"}, "sizes >= 1"),
     ],
 )
 def test_bad_options(overrides, message):

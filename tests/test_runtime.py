@@ -358,13 +358,18 @@ def test_auto_dispatch_covers_at_batch_one_and_costs_above(packages):
 
 @pytest.mark.parametrize("kind", ["0,4", "cb"])
 def test_prompt_tail_through_decode_shapes_keeps_greedy_output(packages, reference, kind):
-    """A prompt's last tokens run through decode shapes when those calls are timed cheaper (the plan of
-    qspec.runtime.prefill.chunk_shape), through the prefill shape when not: the same greedy output."""
+    """On a graph that pads (the vendor graph, as the qaic backend runs it) a prompt's last tokens run
+    through decode shapes when those calls are timed cheaper (the plan of
+    qspec.runtime.prefill.chunk_shape), through the prefill shape when not: the same greedy output. The
+    runtime graph runs live tokens only: its tails stay in the prefill shape whatever the timings."""
+    from qspec.runtime.model import CompiledModel
     from qspec.runtime.prefill import chunk_shape
 
+    runtime = Engine(packages[kind], method="none").model
+    assert runtime.packs_live_tokens and runtime.call_ms and chunk_shape(runtime, 1, 2) is None
     outputs, calls = {}, {}
     for plan in ("decode tail", "prefill only"):
-        engine = Engine(packages[kind], method="pld")
+        engine = Engine(packages[kind], method="pld", model=CompiledModel(packages[kind], vendor_graph=True))
         model = engine.model
         if plan == "prefill only":
             model.call_ms = {}
@@ -382,9 +387,10 @@ def test_prompt_tail_through_decode_shapes_keeps_greedy_output(packages, referen
 
 def test_chunk_shape_picks_the_cheapest_way_to_finish(packages):
     """Measured call times decide: the prefill shape for a full chunk or when decode calls add up to more."""
+    from qspec.runtime.model import CompiledModel
     from qspec.runtime.prefill import chunk_shape
 
-    model = Engine(packages["0,1,2,4,8"], method="none").model  # prefill 8; decode seq_len 1, 2, 3, 5, 9
+    model = CompiledModel(packages["0,1,2,4,8"], vendor_graph=True)  # prefill 8; decode seq_len 1, 2, 3, 5, 9
     model.call_ms = {model.prefill.spec: 10.0, **{b.spec: 2.0 + b.spec.seq_len for b in model.decode.values()}}
     assert chunk_shape(model, 1, 8) is None  # a full chunk
     assert chunk_shape(model, 1, 1) == 0  # 3 ms
@@ -412,3 +418,24 @@ def test_text_stream_decodes_incrementally_to_the_whole_text(tmp_path):
     assert all("\ufffd" not in piece for piece in pieces) and pieces.count("") >= 6  # held back mid-character
     assert stream.push(ids[:3]) == "hé"  # several tokens at once: h and the two bytes of é
     assert stream.text == text + "hé"
+
+
+def test_package_run_with_another_prefill_chunk_size(packages, reference):
+    """A package's runtime graph takes any seq_len: loaded with prefill_seq_len 3 or 16 (the package's is 8),
+    it prefills in chunks of that size (more or fewer calls) and generates the same greedy tokens, on one KV
+    slot and on four; a size the package cannot take is a one-line error."""
+    from qspec.runtime.model import CompiledModel
+
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    for kind in ("0,4", "cb"):
+        calls = {}
+        for size in (3, 8, 16):
+            model = CompiledModel(packages[kind], prefill_seq_len=size)
+            assert model.prefill.spec.seq_len == size
+            engine = Engine(packages[kind], method="pld", model=model)
+            outputs = engine.generate(PROMPTS, params)
+            assert [o.token_ids for o in outputs] == [reference(p, 12) for p in PROMPTS]
+            calls[size] = engine.last_metrics.calls["prefill"]
+        assert calls[3] > calls[8] > calls[16]
+    with pytest.raises(ConfigError, match=f"prefill_seq_len 500 > ctx_len {CTX}"):
+        CompiledModel(packages["0,4"], prefill_seq_len=500)

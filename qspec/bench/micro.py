@@ -1,4 +1,5 @@
-"""The micro-benchmark: one call per specialization of a loaded package, against the bandwidth floor.
+"""The micro-benchmark: one call per specialization of a loaded package, against the bandwidth floor;
+and the time to first token per prefill chunk size.
 
 The floor of one call is ``weight bytes / copy bandwidth``: every call streams all the weights once.
 The weight bytes are the package's own (``manifest.runtime_graph.weight_bytes``): an int4 package's
@@ -12,7 +13,7 @@ from statistics import median
 
 import numpy as np
 
-from qspec.bench.report import MicroCall, MicroPackage
+from qspec.bench.report import MicroCall, MicroPackage, PrefillChunk
 
 
 def prepare_call(model, bound) -> None:
@@ -92,3 +93,38 @@ def micro_benchmark(
         iterations=iterations,
         calls=calls,
     )
+
+
+def prefill_sweep(
+    package, prompts: list[list[int]], sizes: list[int], *, weight_format: str, rounds: int = 2, num_threads=None
+) -> list[PrefillChunk]:
+    """Median time to first token of every prompt (batch 1, greedy) with prompts prefilled in chunks of
+    each of ``sizes`` tokens: the package loaded once per size with that ``prefill_seq_len`` (what it
+    runs compiled with ``--prefill-seq-len``), timed interleaved prompt by prompt."""
+    from qspec.runtime import Engine, SamplingParams
+    from qspec.runtime.model import CompiledModel
+
+    engines = {
+        n: Engine(package, method="none", model=CompiledModel(package, num_threads=num_threads, prefill_seq_len=n))
+        for n in sizes
+    }
+    default = next(iter(engines.values())).model.manifest.config.prefill_seq_len
+    params = SamplingParams(max_new_tokens=1)
+    ttft: dict[int, list[float]] = {n: [] for n in sizes}
+    calls: dict[int, int] = dict.fromkeys(sizes, 0)
+    for _ in range(rounds):
+        for prompt in prompts:
+            for n, engine in engines.items():
+                output = engine.generate([prompt], params)[0]
+                ttft[n].append((output.metrics.first_token_time - output.metrics.arrival) * 1000)
+                calls[n] += engine.last_metrics.calls["prefill"]
+    return [
+        PrefillChunk(
+            weight_format=weight_format,
+            prefill_seq_len=n,
+            ttft_median_ms=round(median(ttft[n]), 2),
+            prefill_calls_per_prompt=round(calls[n] / (rounds * len(prompts)), 2),
+            package_default=n == default,
+        )
+        for n in sizes
+    ]

@@ -14,6 +14,7 @@ from qspec.specializations import parse_num_speculative_tokens
 
 SPECULATIVE_METHODS = ("pld", "suffix", "draft")
 WEIGHT_FORMATS = ("fp32", "int8", "int4")  # qspec compile --weight-format
+DEFAULT_PREFILL_CHUNK_SIZES = (16, 32, 64, 128, 256)
 
 
 def _int_list(value: Any, what: str) -> tuple[int, ...]:
@@ -42,6 +43,9 @@ class BenchOptions(FrozenModel):
     peers: bool = True  # ONNX Runtime GenAI and llama.cpp, batch 1, where installed (qspec[peers])
     memory: bool = True  # peak RSS per configuration, one process each
     micro_iterations: int = Field(default=20, ge=0)  # calls per specialization; 0: no micro-benchmark
+    # TTFT per prefill chunk size (the micro phase): each batch-1 package run with these sizes
+    # (None: DEFAULT_PREFILL_CHUNK_SIZES up to what the packages take; empty: no sweep).
+    prefill_chunk_sizes: tuple[int, ...] | None = None
     round_size: int = Field(default=8, ge=1)
     ctx_len: int = Field(default=1024, ge=2)
     prefill_seq_len: int = Field(default=64, ge=1)  # the CLI default, chosen by TTFT (cli/common.py)
@@ -61,6 +65,16 @@ class BenchOptions(FrozenModel):
         sizes = _int_list(value, "batch_sizes")
         if not sizes or min(sizes) < 1:
             raise ValueError(f"batch_sizes {value!r}: give sizes >= 1, such as 1,4")
+        return tuple(sorted(set(sizes)))
+
+    @field_validator("prefill_chunk_sizes", mode="before")
+    @classmethod
+    def _parse_prefill_chunk_sizes(cls, value: Any) -> tuple[int, ...] | None:
+        if value is None:
+            return None
+        sizes = _int_list(value, "prefill_chunk_sizes")
+        if sizes and min(sizes) < 1:
+            raise ValueError(f"prefill_chunk_sizes {value!r}: give sizes >= 1, such as 32,64,128")
         return tuple(sorted(set(sizes)))
 
     @field_validator("methods", mode="before")
@@ -99,11 +113,30 @@ class BenchOptions(FrozenModel):
         k_max = max(k for ks in self.k_lists for k in ks)
         if k_max + 1 > self.ctx_len:
             raise ValueError(f"K {k_max} needs seq_len {k_max + 1} > ctx_len {self.ctx_len}; lower K or raise ctx_len")
+        too_long = [n for n in self.prefill_chunk_sizes or () if n > self.longest_prefill_chunk]
+        if too_long:
+            raise ValueError(
+                f"prefill_chunk_sizes {too_long} exceed {self.longest_prefill_chunk} (ctx_len and the smallest "
+                "prefill compute-context-length bucket); give smaller sizes"
+            )
         if "draft" in self.methods and self.draft_package is None:
             raise ValueError("method draft needs draft_package (compile one with `qspec compile --num-layers N`)")
         if self.draft_package is not None and "draft" not in self.methods:
             raise ValueError(f"draft_package {self.draft_package} is given but methods {list(self.methods)} omit draft")
         return self
+
+    @property
+    def longest_prefill_chunk(self) -> int:
+        """The longest prefill chunk the packages take: ctx_len, or the smallest prefill bucket."""
+        buckets = _int_list(self.comp_ctx_lengths_prefill or (), "comp_ctx_lengths_prefill")
+        return min((self.ctx_len, *buckets))
+
+    @property
+    def chunk_sizes(self) -> tuple[int, ...]:
+        """The prefill chunk sizes the TTFT sweep runs (see ``prefill_chunk_sizes``)."""
+        if self.prefill_chunk_sizes is not None:
+            return self.prefill_chunk_sizes
+        return tuple(n for n in DEFAULT_PREFILL_CHUNK_SIZES if n <= self.longest_prefill_chunk)
 
     @property
     def primary_format(self) -> WeightFormat:

@@ -161,6 +161,30 @@ def _micro(report: BenchReport) -> list[str]:
     ]
     header = ["weights", "graph", "batch", "specialization", "shape", "tokens/call", "median ms"]
     header += ["floor ms (bytes)", "x floor"]
+    return lines + _table(header, rows) + _prefill_chunks(micro)
+
+
+def _prefill_chunks(micro) -> list[str]:
+    """TTFT per prefill chunk size, each format against its package's own chunk size."""
+    if not micro.prefill:
+        return []
+    lines = [
+        "",
+        "## TTFT per prefill chunk size",
+        "",
+        f"Batch 1, `none`, the first turn of {micro.prefill_prompts} prompts, {micro.prefill_rounds} rounds "
+        "interleaved prompt by prompt; each batch-1 package loaded once per size with that "
+        "`prefill_seq_len` (what it runs compiled with `--prefill-seq-len`). Calls per prompt: prefill "
+        "chunks plus the decode-shape calls that finish a prompt's tail. **Bold**: the package's own size.",
+        "",
+    ]
+    own = {c.weight_format: c.ttft_median_ms for c in micro.prefill if c.package_default}
+    rows = []
+    for c in micro.prefill:
+        size = f"**{c.prefill_seq_len}**" if c.package_default else str(c.prefill_seq_len)
+        ratio = _fmt(c.ttft_median_ms / own[c.weight_format], 2) if c.weight_format in own else "–"
+        rows.append([c.weight_format, size, c.ttft_median_ms, c.prefill_calls_per_prompt, ratio])
+    header = ["weights", "prefill_seq_len", "TTFT ms (median)", "calls per prompt", "x own size"]
     return lines + _table(header, rows)
 
 

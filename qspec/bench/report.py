@@ -109,9 +109,22 @@ class MicroPackage(ReportModel):
     calls: list[MicroCall]
 
 
+class PrefillChunk(ReportModel):
+    """Time to first token with prompts prefilled in chunks of ``prefill_seq_len`` tokens (batch 1)."""
+
+    weight_format: str
+    prefill_seq_len: int
+    ttft_median_ms: float
+    prefill_calls_per_prompt: float  # prefill chunks plus decode-shape tails (qspec.runtime.prefill)
+    package_default: bool  # the package's own prefill_seq_len
+
+
 class MicroReport(ReportModel):
     copy_bandwidth_gb_s: float
     packages: list[MicroPackage]
+    prefill: list[PrefillChunk] = []
+    prefill_prompts: int = 0  # prompts per chunk size and round
+    prefill_rounds: int = 0
 
 
 class MemoryProbe(ReportModel):

@@ -17,7 +17,7 @@ import psutil
 from qspec.bench.analysis import Collected, contention_notes, equality_checks, summarize, with_ratios
 from qspec.bench.machine import CpuMeter, copy_bandwidth, cpu_name, machine_versions, usable_cores
 from qspec.bench.memory import run_memory
-from qspec.bench.micro import micro_benchmark
+from qspec.bench.micro import micro_benchmark, prefill_sweep
 from qspec.bench.options import BenchOptions, quick_options
 from qspec.bench.packages import Packages, ResolvedModel, compile_packages, package_count, resolve_model
 from qspec.bench.peer_models import PeerUnavailable
@@ -118,15 +118,21 @@ def start_baselines(plan: BenchPlan, baselines: list[Runner], steps: Steps) -> t
     return plan, info, skipped
 
 
-def run_micro(models: dict, iterations: int, steps: Steps) -> MicroReport | None:
-    """One call per specialization of every loaded package, against the bandwidth floor of its weight format.
+def run_micro(
+    models: dict, options: BenchOptions, prompts: list[list[int]], steps: Steps, rounds: int = 2
+) -> MicroReport | None:
+    """One call per specialization of every loaded package, against the bandwidth floor of its weight
+    format; then TTFT per prefill chunk size on every batch-1 package (``options.chunk_sizes`` that it
+    takes, and its own).
 
     ``models``: (weight format, max batch size) -> loaded model.
     """
+    iterations = options.micro_iterations
     if not iterations:
         return None
     bandwidth = copy_bandwidth()
     packages = []
+    prefill = []
     for (weight_format, batch), model in models.items():
         steps.say(f"micro-benchmark, {weight_format} batch {batch}")
         packages.append(micro_benchmark(model, iterations, bandwidth, batch=batch, weight_format=weight_format))
@@ -138,8 +144,26 @@ def run_micro(models: dict, iterations: int, steps: Steps) -> MicroReport | None
             vendor = CompiledModel(model.package, vendor_graph=True)
             packages.append(micro_benchmark(vendor, iterations, bandwidth, batch=1, graph="vendor"))
             del vendor
+        if batch == 1 and options.chunk_sizes and model.manifest.runtime_graph is not None:
+            steps.say(f"TTFT per prefill chunk size, {weight_format}")
+            longest = min(b or model.ctx_len for b in model.prefill_buckets)  # what the package takes
+            own = model.prefill_spec.seq_len
+            prefill += prefill_sweep(
+                model.package,
+                prompts,
+                sorted({own, *(n for n in options.chunk_sizes if n <= longest)}),
+                weight_format=weight_format,
+                rounds=rounds,
+                num_threads=options.num_threads,
+            )
         steps.step(f"micro-benchmark, {weight_format} batch {batch} done")
-    return MicroReport(copy_bandwidth_gb_s=round(bandwidth / 1e9, 2), packages=packages)
+    return MicroReport(
+        copy_bandwidth_gb_s=round(bandwidth / 1e9, 2),
+        packages=packages,
+        prefill=prefill,
+        prefill_prompts=len(prompts) if prefill else 0,
+        prefill_rounds=rounds if prefill else 0,
+    )
 
 
 def run_phase(
@@ -223,12 +247,13 @@ def _measure(plan: BenchPlan, packages: Packages, steps: Steps, laps: Laps) -> M
         draft_package=options.draft_package,
     )
     qspec.start(steps)
+    first_turns = [qspec.encode_chat([{"role": "user", "content": p.turns[0]}]) for p in plan.prompts]
     baselines = baseline_runners(plan, sorted(qspec.first_engine.eos_token_ids))
     try:
         plan, info, skipped = start_baselines(plan, baselines, steps)
         baselines = [r for r in baselines if r.backend in info]
         laps.lap("load_s")
-        micro = run_micro(qspec.models, options.micro_iterations, steps)
+        micro = run_micro(qspec.models, options, first_turns, steps)
         laps.lap("micro_s")
         runners = {c.key: r for r in [qspec, *baselines] for c in r.configs}
         missing = [c.key for c in plan.configs if c.key not in runners]
@@ -241,12 +266,11 @@ def _measure(plan: BenchPlan, packages: Packages, steps: Steps, laps: Laps) -> M
             runner.close()
     memory = None
     if options.memory:
-        prompt_ids = [qspec.encode_chat([{"role": "user", "content": p.turns[0]}]) for p in plan.prompts]
         memory = run_memory(
             plan.configs,
             packages.flat,
             packages.one_spec,
-            prompt_ids,
+            first_turns,
             max_new_tokens=options.max_new_tokens,
             num_threads=options.num_threads,
             draft_package=options.draft_package,

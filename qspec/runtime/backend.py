@@ -83,13 +83,19 @@ class LoadedModel(ABC):
     call_ms: dict[Specialization, float]  # prefill and each decode shape: the faster of two timed calls, after warm_up
     packs_live_tokens: bool = False  # the graph's MatMuls run on live tokens only: padding costs (almost) nothing
 
-    def _read_package(self, package: str | Path) -> None:
-        """Shapes the runtime needs, from the manifest: Ks, ctx_len, KV rows, vocabulary."""
+    def _read_package(self, package: str | Path, prefill_seq_len: int | None = None) -> None:
+        """Shapes the runtime needs, from the manifest: Ks, ctx_len, KV rows, vocabulary.
+
+        ``prefill_seq_len``: prefill shapes of that many tokens instead of the package's (a backend
+        whose graph takes any ``seq_len``); validated as ``qspec compile --prefill-seq-len`` would.
+        """
         self.package = Path(package)
         self.manifest = check_package(self.package)
         model = self.manifest.model
         specs = self.manifest.specializations
         config = self.manifest.config
+        if prefill_seq_len is not None:
+            config = type(config).create(**(config.model_dump() | {"prefill_seq_len": prefill_seq_len}))
         # Rebuilt from the config: equal to the package's shapes (a shape equal to an earlier one
         # was dropped there, and the earlier one serves both: prefill_seq_len 1 and K=0).
         self.prefill_buckets = config.buckets("prefill")
@@ -101,6 +107,8 @@ class LoadedModel(ABC):
             for k in config.num_speculative_tokens
         }
         self.ks = list(config.num_speculative_tokens)
+        # Every shape once (prefill_seq_len 1 and K=0 are one shape), prefill first.
+        self.specs = list(dict.fromkeys([*self.prefill_specs.values(), *self.bucket_specs.values()]))
         self.prefill_spec = self.prefill_specs[self.prefill_buckets[-1]]
         self.decode_specs = {k: self.bucket_specs[(k, self.decode_buckets[-1])] for k in self.ks}
         self.ctx_len = self.prefill_spec.ctx_len

@@ -59,14 +59,18 @@ class CompiledModel(LoadedModel):
         spinning: bool = True,
         num_threads: int | None = None,
         vendor_graph: bool = False,
+        prefill_seq_len: int | None = None,
     ):
         """``vendor_graph``: run ``model.onnx`` (the contract graph the ``qaic`` backend compiles, explicit
         attention over the compute-context-length slots) instead of the package's runtime graph; the
-        bench times it to show what the buckets save on that graph."""
-        self._read_package(package)
+        bench times it to show what the buckets save on that graph.
+        ``prefill_seq_len``: prefill in chunks of that many tokens instead of the package's: what the
+        package compiled with ``--prefill-seq-len`` would run (its graphs take any ``seq_len``); the
+        bench times TTFT per chunk size with it."""
+        self._read_package(package, prefill_seq_len)
         self.session_mode = session_mode
         model = self.manifest.model
-        specs = self.manifest.specializations
+        specs = self.specs
 
         graph = None if vendor_graph else self.manifest.runtime_graph
         self.packs_live_tokens = bool(

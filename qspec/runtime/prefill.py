@@ -48,11 +48,15 @@ def chunk_shape(model, rows: int, rest: int) -> int | None:
     A prompt's last tokens go through decode shapes when calls of one finish them sooner than one
     call of the prefill shape, judged by the calls timed at warm-up (:attr:`LoadedModel.call_ms`):
     a 66-token prompt with a 64-token prefill shape runs 64 + 2 tokens, not 64 + 64. Untimed models
-    use the prefill shape. The output does not change with the plan: every row's KV and logits are
-    its own tokens' (the contract's padding semantics).
+    use the prefill shape, and so does a graph that runs live tokens only
+    (:attr:`LoadedModel.packs_live_tokens`): there the prefill shape's padding costs nothing, and one
+    call streams the weights once where several decode calls stream them each (a 40-token tail with
+    256-token chunks, fp32: one call, not eight K=4 calls priced by a full chunk's time). The output
+    does not change with the plan: every row's KV and logits are its own tokens' (the contract's
+    padding semantics).
     """
     prefill = model.prefill.spec
-    if rest >= prefill.seq_len or prefill not in model.call_ms:
+    if rest >= prefill.seq_len or prefill not in model.call_ms or model.packs_live_tokens:
         return None
     best_k, best_ms = None, model.call_ms[prefill]
     for k, bound in sorted(model.decode.items()):
