@@ -167,6 +167,9 @@ def test_cost_dispatch_keeps_verifying_drafts_it_priced_out(four_slots):
     assert engine.model.packs_live_tokens  # a continuous-batching runtime graph prices live tokens
     engine.stats.accepted[:] = 1e-9  # as if every draft so far had been rejected
     engine.stats.tried[:] = 1e9
+    # Fixed prices (a tiny model's ~1 ms calls are noise): K=4 never pays, only exploration runs it.
+    engine.call_ms = CallCosts({0: 10.0, 4: 30.0})
+    engine.call_ms.observe = lambda *args: None
     assert [out.token_ids for out in engine.generate(PROMPTS, params)] == plain
     metrics = engine.last_metrics
     assert 0 < metrics.calls["4"] <= metrics.calls["0"] // (EXPLORE_EVERY - 1) + 1
