@@ -15,10 +15,10 @@ console = Console(stderr=True, highlight=False)
 
 # Options more than one command takes: one definition each (flag, help), one default.
 DEFAULT_CTX_LEN = 1024
-# Tokens per prefill call. `qspec bench`'s TTFT per chunk size (16 MT-bench chat prompts, 44-233 tokens,
-# SmolLM2, batch 1, 2 interleaved rounds): fp32 158 / 141 / 125 / 117 / 112 ms and int4 135 / 119 / 114 /
-# 112 / 111 ms at 16 / 32 / 64 / 128 / 256. Longer chunks gain 2-11 % more but would refuse every
-# --ctx-len or prefill bucket below them; 64 keeps small contexts compiling.
+# Tokens per prefill call. `make bench`'s TTFT per chunk size (16 MT-bench chat prompts, 44-233 tokens,
+# SmolLM2, batch 1, 2 interleaved rounds, 2026-11-24): fp32 172 / 153 / 139 / 126 / 128 ms and int4 142 /
+# 133 / 121 / 114 / 113 ms at 16 / 32 / 64 / 128 / 256. Longer chunks gain 6-9 % more but would refuse
+# every --ctx-len or prefill bucket below them; 64 keeps small contexts compiling.
 DEFAULT_PREFILL_SEQ_LEN = 64
 KsOption = Annotated[
     str, typer.Option("--num-speculative-tokens", "-k", help="Speculative lengths K to compile, e.g. 0,4.")
