@@ -133,10 +133,9 @@ class BenchOptions(FrozenModel):
 
     @property
     def chunk_sizes(self) -> tuple[int, ...]:
-        """The prefill chunk sizes the TTFT sweep runs (see ``prefill_chunk_sizes``)."""
-        if self.prefill_chunk_sizes is not None:
-            return self.prefill_chunk_sizes
-        return tuple(n for n in DEFAULT_PREFILL_CHUNK_SIZES if n <= self.longest_prefill_chunk)
+        """The prefill chunk sizes the TTFT sweep runs, each on the packages that take it (see
+        ``prefill_chunk_sizes``)."""
+        return DEFAULT_PREFILL_CHUNK_SIZES if self.prefill_chunk_sizes is None else self.prefill_chunk_sizes
 
     @property
     def primary_format(self) -> WeightFormat:

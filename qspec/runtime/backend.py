@@ -80,7 +80,8 @@ class LoadedModel(ABC):
     bindings: dict[Specialization, Binding]
     prefill: Binding  # the prefill binding of the largest compute-context-length bucket
     decode: dict[int, Binding]  # K -> binding of the seq_len = K + 1 specialization (largest bucket)
-    call_ms: dict[Specialization, float]  # prefill and each decode shape: the faster of two timed calls, after warm_up
+    # prefill and each decode shape of a graph that pads: the faster of two timed calls, after warm_up
+    call_ms: dict[Specialization, float]
     packs_live_tokens: bool = False  # the graph's MatMuls run on live tokens only: padding costs (almost) nothing
 
     def _read_package(self, package: str | Path, prefill_seq_len: int | None = None) -> None:
@@ -132,26 +133,24 @@ class LoadedModel(ABC):
         return self.bindings[self.bucket_specs[(k, _bucket(self.decode_buckets, end))]]
 
     def warm_up(self) -> None:
-        """Run every specialization once on padding only: the first request pays no set-up; then time
-        two more calls of the prefill and each decode shape (:attr:`call_ms`, the faster one: for
+        """Run every specialization once on padding only: the first request pays no set-up; then, on a
+        graph that pads (not :attr:`packs_live_tokens`, whose prompt tails stay in the prefill shape),
+        time two more calls of the prefill and each decode shape (:attr:`call_ms`, the faster one: for
         :func:`qspec.runtime.prefill.chunk_shape`).
 
-        Padding rewrites values a slot already holds, so the cache is unchanged. A graph that skips
-        padding (:attr:`packs_live_tokens`) is timed on every token live instead, which writes slots
-        ``0 .. seq_len - 1`` of every KV row: call it before any request is in flight.
+        Padding rewrites values a slot already holds, so the cache is unchanged.
         """
         for bound in self.bindings.values():
             bound.reset()
             self.run(bound)
+        if self.packs_live_tokens:
+            return
         for bound in (self.prefill, *self.decode.values()):
-            if self.packs_live_tokens:
-                bound.fill_live(bound.spec.seq_len)
             times = []
             for _ in range(2):
                 begin = time.perf_counter()
                 self.run(bound)
                 times.append((time.perf_counter() - begin) * 1000)
-            bound.reset()
             self.call_ms[bound.spec] = min(times)
 
     @abstractmethod

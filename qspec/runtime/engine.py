@@ -160,9 +160,9 @@ class Engine:
     def warmup(self, repeats: int = 3) -> Mapping[int, float]:
         """Run every specialization on padding (the first request pays no set-up); returns each decode K's
         price for ``cost`` dispatch: measured, then following the engine's calls (:class:`CallCosts`),
-        when it may dispatch by cost; else K + 1."""
+        when it may dispatch by cost; else (and for ``none``, which plans nothing) K + 1."""
         self.model.warm_up()
-        if self.dispatch not in ("cost", "auto"):
+        if self.dispatch not in ("cost", "auto") or self.k_max == 0:
             return measure_costs(self.model, self.ks, 0)
         if self.model.packs_live_tokens:
             return measure_live_costs(self.model, self.ks, repeats)
