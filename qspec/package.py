@@ -103,8 +103,10 @@ class RuntimeGraph(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     file: str = ORT_ONNX_FILE
-    # Its external data: fp32 graphs read the vendor graph's model.onnx.data (weights stored once).
+    # Its external data: its own weights (all of them, or fp32's packed q/k/v) ...
     data_file: str = ORT_ONNX_FILE + ".data"
+    # ... and, in fp32, the vendor graph's model.onnx.data for every other weight (stored once).
+    vendor_data_file: str | None = None
     weight_format: WeightFormat
     fusions: dict[str, int] = Field(default_factory=dict)
     quantized_matmuls: int = 0
@@ -189,6 +191,8 @@ def check_package(package: str | os.PathLike[str]) -> Manifest:
     files = [ONNX_FILE, runtime_graph_file(manifest), SPECIALIZATIONS_FILE, f"{TOKENIZER_DIR}/tokenizer.json"]
     if manifest.runtime_graph is not None:
         files.append(manifest.runtime_graph.data_file)
+        if manifest.runtime_graph.vendor_data_file:
+            files.append(manifest.runtime_graph.vendor_data_file)
     for name in files:
         if not (folder / name).is_file():
             raise PackageError(f"package {folder} is missing {name}; {hint}")

@@ -42,9 +42,10 @@ def runtime_graph(folder, meta, graph: str = "vendor"):
     graph_dir, runtime = cached_runtime_graph(
         folder, meta.key, "fp32", attention=meta.model.attention, positions=positions
     )
-    assert runtime.data_file == ONNX_FILE + ".data"  # it reads the export's weights: put it beside them
+    assert runtime.vendor_data_file == ONNX_FILE + ".data"  # it reads the export's weights: put it beside them
     target = folder / runtime.file
-    shutil.copyfile(graph_dir / runtime.file, target)
+    for name in (runtime.file, runtime.data_file):
+        shutil.copyfile(graph_dir / name, folder / name)
     return target, runtime
 
 

@@ -136,12 +136,20 @@ def test_runtime_graph_attends_with_one_group_query_attention_per_layer(packages
 
 
 def test_fp32_runtime_graph_reads_the_vendor_graphs_weights(packages):
-    """fp32 stores its weights once: the packed q/k/v weights are inline in model.ort.onnx, every external
-    initializer points into model.onnx.data, and the separate q/k/v weights are not read."""
+    """fp32 stores its weights once: its own (the packed q/k/v weights) are in model.ort.onnx.data, each at
+    a page boundary, every other weight is read from model.onnx.data, and the separate q/k/v weights are
+    not read."""
     package = packages["fp32"]["0,4"]
-    assert read_manifest(package).runtime_graph.data_file == ONNX_FILE + ".data"
-    assert not (package / (ORT_ONNX_FILE + ".data")).exists()
+    graph = read_manifest(package).runtime_graph
+    assert (graph.data_file, graph.vendor_data_file) == (ORT_ONNX_FILE + ".data", ONNX_FILE + ".data")
     proto = onnx.load(str(package / ORT_ONNX_FILE), load_external_data=False)
+    own = {
+        tensor.name: {entry.key: entry.value for entry in tensor.external_data}
+        for tensor in proto.graph.initializer
+        if any(entry.value == graph.data_file for entry in tensor.external_data)
+    }
+    assert {f"model.layers.{i}.self_attn.qkv_proj.weight" for i in range(2)} <= set(own)
+    assert all(int(entry["offset"]) % 4096 == 0 for entry in own.values())
     assert matmul_ops(package)["MatMul"] == 2 * 5 + 1  # 2 layers x (qkv, o, gate, up, down) + the LM head
     names = {tensor.name for tensor in proto.graph.initializer}
     assert {f"model.layers.{i}.self_attn.qkv_proj.weight" for i in range(2)} <= names
@@ -149,8 +157,8 @@ def test_fp32_runtime_graph_reads_the_vendor_graphs_weights(packages):
     places = {
         entry.value for tensor in proto.graph.initializer for entry in tensor.external_data if entry.key == "location"
     }
-    assert places == {ONNX_FILE + ".data"}
-    assert sorted(path.name for path in package.glob("*.data")) == [ONNX_FILE + ".data"]
+    assert places == {ONNX_FILE + ".data", ORT_ONNX_FILE + ".data"}
+    assert sorted(path.name for path in package.glob("*.data")) == [ONNX_FILE + ".data", ORT_ONNX_FILE + ".data"]
 
 
 def test_weight_format_is_part_of_the_package_key(model, packages, tmp_path):

@@ -11,11 +11,12 @@ only, in this order:
    ``GroupQueryAttention`` node (:mod:`qspec.backends.ort_attention`, which maps the contract's
    position-driven KV write and padding onto it; q, k and v packed into one MatMul).
 
-``fp32`` stops here: the fused graph holds its packed q/k/v weights itself (inline, 66 MB for
-SmolLM2) and reads every other weight from the vendor graph's ``model.onnx.data`` (same names,
-same offsets), so a package holds those once, and the session-level
-optimizations (constant folding, SiLU, MatMul + scale, ...) are ONNX Runtime's own at load time
-(``ORT_ENABLE_ALL``, the default), which a call measures the same as an offline-optimized graph.
+``fp32`` stops here: the fused graph keeps its own weights, the packed q/k/v (66 MB for SmolLM2)
+and the RoPE tables, in ``model.ort.onnx.data``, page-aligned, and reads every other weight from the vendor graph's
+``model.onnx.data`` (same names, same offsets), so a package holds those once. (Kept inline in the
+``.onnx`` file instead, the same graph ran its calls 3-10 % slower: SmolLM2, K=0, 2 and 4 at positions
+100 and 400, packages built both ways, interleaved.) The session-level optimizations (constant folding, SiLU, MatMul + scale, ...) are ONNX
+Runtime's own at load time (``ORT_ENABLE_ALL``, the default).
 
 2. **materialize the tied LM head** (int8/int4 only; onnxscript's constant folder): a tied head is
    ``MatMul(x, Transpose(embedding))``, which no weight quantizer picks up; folding the Transpose
@@ -56,10 +57,13 @@ INT8_ACTIVATIONS = 4
 ACCURACY_LEVEL = INT8_ACTIVATIONS
 SYMMETRIC = False
 # Bump when the recipe below changes: cached runtime graphs are keyed by it.
-RECIPE_VERSION = 22
+RECIPE_VERSION = 23
 GRAPH_META = "graph.json"
 # Initializers below this size stay inside the .onnx file.
 EXTERNAL_MIN_BYTES = 1024
+# The fp32 graph's own initializers go to its .data file, each at a page boundary (as ONNX Runtime
+# writes the int8/int4 graphs' data).
+PAGE_BYTES = 4096
 
 
 def fuse(model) -> dict[str, int]:
@@ -200,8 +204,12 @@ def optimize_graph(
         )
         fusions["live_tokens" if pack else "trimmed_rows"] = 1
     quantized = 0
+    own_data = target.name + ".data"
     if bits is None:
-        ir.save(model, str(target))  # the packed q/k/v inline, the rest pointing into the source's .data file
+        # the packed q/k/v in the graph's own .data file, the rest pointing into the source's .data file
+        if not externalize_own_weights(model, target.with_name(own_data)):
+            own_data = source.name + ".data"  # no weights of its own (attention as exported)
+        ir.save(model, str(target))
     else:
         with tempfile.TemporaryDirectory(prefix=".optimize-", dir=target.parent) as tmp:
             staged = Path(tmp) / "model.onnx"
@@ -220,11 +228,36 @@ def optimize_graph(
         quantized_matmuls=quantized,
         block_size=block_size if bits else None,
         accuracy_level=accuracy_level if bits else None,
-        data_file=source.name + ".data" if bits is None else target.name + ".data",
+        data_file=own_data,
+        vendor_data_file=source.name + ".data" if bits is None and own_data != source.name + ".data" else None,
         weight_bytes=streamed_weight_bytes(target),
         rope_positions=rope_positions if fusions.get("group_query_attention", 0) else None,
         seconds=round(time.perf_counter() - begin, 2),
     )
+
+
+def externalize_own_weights(model, data: Path) -> int:
+    """Write the in-memory initializers of ``EXTERNAL_MIN_BYTES`` and more of an ``onnx_ir`` model to
+    ``data``, each at a page boundary, and point the model at them; returns how many (none: no file)."""
+    import onnx_ir as ir
+
+    moved, offset = [], 0
+    for value in model.graph.initializers.values():
+        tensor = value.const_value
+        if tensor is None or isinstance(tensor, ir.ExternalTensor) or tensor.nbytes < EXTERNAL_MIN_BYTES:
+            continue
+        moved.append((value, tensor, -(-offset // PAGE_BYTES) * PAGE_BYTES))
+        offset = moved[-1][2] + tensor.nbytes
+    if not moved:
+        return 0
+    with open(data, "wb") as out:
+        for value, tensor, start in moved:
+            out.seek(start)
+            out.write(tensor.tobytes())
+            value.const_value = ir.ExternalTensor(
+                data.name, start, tensor.nbytes, tensor.dtype, shape=tensor.shape, name=value.name, base_dir=data.parent
+            )
+    return len(moved)
 
 
 def cached_runtime_graph(
@@ -236,9 +269,9 @@ def cached_runtime_graph(
     attention: AttentionInfo | None = None,
     positions: int = 0,
 ) -> tuple[Path, RuntimeGraph]:
-    """The runtime graph of an export (folder holding ``model.ort.onnx``, and its ``.data`` unless fp32), built once.
+    """The runtime graph of an export (folder holding ``model.ort.onnx`` and its ``.data``), built once.
 
-    An fp32 graph has no data of its own: it is valid beside the export's ``model.onnx.data``, as in a package.
+    An fp32 graph also reads the export's ``model.onnx.data``: it is valid beside it, as in a package.
     ``positions``: the most positions a call may rotate (``ctx_len`` + the longest ``seq_len``); the RoPE
     table of a GroupQueryAttention graph gets the next power of two, so a few graphs serve every ``ctx_len``.
     """
