@@ -12,11 +12,12 @@ only, in this order:
    position-driven KV write and padding onto it; q, k and v packed into one MatMul).
 
 ``fp32`` stops here: the fused graph keeps its own weights, the packed q/k/v (66 MB for SmolLM2)
-and the RoPE tables, in ``model.ort.onnx.data``, page-aligned, and reads every other weight from the vendor graph's
-``model.onnx.data`` (same names, same offsets), so a package holds those once. (Kept inline in the
-``.onnx`` file instead, the same graph ran its calls 3-10 % slower: SmolLM2, K=0, 2 and 4 at positions
-100 and 400, packages built both ways, interleaved.) The session-level optimizations (constant folding, SiLU, MatMul + scale, ...) are ONNX
-Runtime's own at load time (``ORT_ENABLE_ALL``, the default).
+and the RoPE tables, in ``model.ort.onnx.data``, page-aligned, and reads every other weight from the
+vendor graph's ``model.onnx.data`` (same names, same offsets), so a package holds those once. (Kept
+inline in the ``.onnx`` file instead, the same graph ran its calls 3-10 % slower: SmolLM2, K=0, 2 and
+4 at positions 100 and 400, packages built both ways, interleaved.) The session-level optimizations
+(constant folding, SiLU, MatMul + scale, ...) are ONNX Runtime's own at load time (``ORT_ENABLE_ALL``,
+the default).
 
 2. **materialize the tied LM head** (int8/int4 only; onnxscript's constant folder): a tied head is
    ``MatMul(x, Transpose(embedding))``, which no weight quantizer picks up; folding the Transpose
