@@ -205,11 +205,12 @@ def optimize_graph(
         )
         fusions["live_tokens" if pack else "trimmed_rows"] = 1
     quantized = 0
-    own_data = target.name + ".data"
+    own_data, vendor_data = target.name + ".data", None
     if bits is None:
         # the packed q/k/v in the graph's own .data file, the rest pointing into the source's .data file
+        vendor_data = source.name + ".data"
         if not externalize_own_weights(model, target.with_name(own_data)):
-            own_data = source.name + ".data"  # no weights of its own (attention as exported)
+            own_data, vendor_data = vendor_data, None  # no weights of its own (attention as exported)
         ir.save(model, str(target))
     else:
         with tempfile.TemporaryDirectory(prefix=".optimize-", dir=target.parent) as tmp:
@@ -230,7 +231,7 @@ def optimize_graph(
         block_size=block_size if bits else None,
         accuracy_level=accuracy_level if bits else None,
         data_file=own_data,
-        vendor_data_file=source.name + ".data" if bits is None and own_data != source.name + ".data" else None,
+        vendor_data_file=vendor_data,
         weight_bytes=streamed_weight_bytes(target),
         rope_positions=rope_positions if fusions.get("group_query_attention", 0) else None,
         seconds=round(time.perf_counter() - begin, 2),
@@ -241,24 +242,22 @@ def externalize_own_weights(model, data: Path) -> int:
     """Write the in-memory initializers of ``EXTERNAL_MIN_BYTES`` and more of an ``onnx_ir`` model to
     ``data``, each at a page boundary, and point the model at them; returns how many (none: no file)."""
     import onnx_ir as ir
+    from onnx_ir.external_data import convert_tensors_to_external
 
-    moved, offset = [], 0
-    for value in model.graph.initializers.values():
-        tensor = value.const_value
-        if tensor is None or isinstance(tensor, ir.ExternalTensor) or tensor.nbytes < EXTERNAL_MIN_BYTES:
-            continue
-        moved.append((value, tensor, -(-offset // PAGE_BYTES) * PAGE_BYTES))
-        offset = moved[-1][2] + tensor.nbytes
-    if not moved:
-        return 0
-    with open(data, "wb") as out:
-        for value, tensor, start in moved:
-            out.seek(start)
-            out.write(tensor.tobytes())
-            value.const_value = ir.ExternalTensor(
-                data.name, start, tensor.nbytes, tensor.dtype, shape=tensor.shape, name=value.name, base_dir=data.parent
-            )
-    return len(moved)
+    own = [
+        value
+        for value in model.graph.initializers.values()
+        if value.const_value is not None
+        and not isinstance(value.const_value, ir.ExternalTensor)
+        and value.const_value.nbytes >= EXTERNAL_MIN_BYTES
+    ]
+    if own:
+        external = convert_tensors_to_external(
+            [value.const_value for value in own], data.parent, data.name, alignment=PAGE_BYTES, align_threshold=0
+        )
+        for value, tensor in zip(own, external):
+            value.const_value = tensor
+    return len(own)
 
 
 def cached_runtime_graph(
