@@ -30,11 +30,12 @@ def greedy_none(package, params) -> list[list[int]]:
 
 
 def test_expected_tokens_counts_one_per_row_plus_accepted_chain():
-    """Two rows with 4 and 0 drafts, c_i = 0.5: 2 + 0.5 + 0.25 + 0.125 + 0.0625."""
+    """Two rows verifying 4 and 0 drafts, c_i = 0.5: 2 + 0.5 + 0.25 + 0.125 + 0.0625."""
     chain = np.cumprod([0.5] * 4)
-    assert expected_tokens([4, 0], 4, chain) == 2.9375
-    assert expected_tokens([4, 0], 0, chain) == 2.0
-    assert expected_tokens([4, 2], 1, chain) == 3.0  # each row cut to one draft: 2 + 0.5 + 0.5
+    assert expected_tokens([4, 0], [chain, chain]) == 2.9375
+    assert expected_tokens([0, 0], [chain, chain]) == 2.0
+    assert expected_tokens([1, 1], [chain, chain]) == 3.0  # each row cut to one draft: 2 + 0.5 + 0.5
+    assert expected_tokens([2, 1], [chain, np.cumprod([0.9] * 4)]) == 3.65  # rows of their own: 2 + 0.75 + 0.9
 
 
 def test_low_acceptance_drops_the_drafts():
@@ -77,11 +78,28 @@ def test_acceptance_stats_count_only_tried_drafts():
     """Draft i is tried only when drafts before it were accepted."""
     stats = AcceptanceStats(4)
     stats.observe(proposed=4, accepted=1)  # d1 accepted, d2 rejected, d3 d4 never tried
-    tried = stats.tried - 2.0  # minus the prior
-    accepted = stats.accepted - 1.0
+    tried, accepted = stats.counts()
     assert tried.tolist() == [1, 1, 0, 0]
     assert accepted.tolist() == [1, 0, 0, 0]
-    assert stats.chain()[0] == 2.0 / 3.0  # (1 + 1) / (2 + 1)
+    # pooled c_1 = (1 accepted + 2 x 0.5) / (1 tried + 2) = 2/3, the class's prior: (1 + 2 x 2/3) / (1 + 2)
+    assert stats.chain()[0] == (1 + 2 * 2 / 3) / 3
+
+
+def test_acceptance_stats_keep_one_estimate_per_match_length():
+    """Drafts after 3-gram matches always pass and after 1-gram matches never do: each class learns its
+    own chain; a class never seen starts from the pooled first-draft rate, and deeper drafts never tried
+    start from the class's shallower ones (not from a flat 0.5)."""
+    stats = AcceptanceStats(4)
+    for _ in range(20):
+        stats.observe(proposed=4, accepted=4, match_len=3)
+        stats.observe(proposed=4, accepted=0, match_len=1)
+    strong, weak, unseen = stats.chain(3), stats.chain(1), stats.chain(2)
+    assert strong[3] > 0.8 and weak[0] < 0.1
+    assert unseen[0] == (20 + 2 * 0.5) / (40 + 2)  # pooled c_1: 20 of 40 first drafts, and the prior
+    assert np.allclose(unseen, np.cumprod([unseen[0]] * 4))
+    stats.observe(proposed=2, accepted=2, match_len=2)  # two drafts, both passed; the third never tried
+    c = stats.chain(2) / np.concatenate(([1.0], stats.chain(2)[:-1]))  # c_i from the chain
+    assert c[2] == c[1] and c[1] > unseen[0]
 
 
 def test_call_costs_follow_the_calls_not_one_outlier():
@@ -112,7 +130,7 @@ def test_a_larger_k_must_beat_the_smaller_by_the_margin():
     from qspec.runtime.dispatch import MARGIN
 
     chain = np.cumprod([0.5] * 4)  # one drafting row of four: 1 + 0.9375 expected tokens, the other 1
-    tokens4 = expected_tokens([4, 0], 4, chain)
+    tokens4 = expected_tokens([4, 0], [chain, chain])
     for gain, k in ((1.05, 0), (1.2, 4)):
         costs = {0: 10.0, 4: 10.0 * tokens4 / 2 / gain}  # K=4's rate = gain x K=0's 2 tokens / 10 ms
         assert pick_k_by_cost([0, 4], costs, [4, 0], chain) == k
@@ -133,7 +151,7 @@ def test_drafts_priced_by_live_tokens_pay_where_padded_rows_do_not():
     chain = np.cumprod([0.8] * 4)
     padded = {k: live_price(k, 4 * (k + 1)) for k in (0, 4)}
     assert pick_k_by_cost([0, 4], padded, [4, 0, 0, 0], chain) == 0
-    assert plan_by_cost([0, 4], live_price, [4, 0, 0, 0], chain) == (4, 4)
+    assert plan_by_cost([0, 4], live_price, [4, 0, 0, 0], [chain] * 4) == (4, [4, 0, 0, 0])
 
 
 def test_rows_cut_to_the_depth_that_pays_inside_a_larger_k():
@@ -141,9 +159,31 @@ def test_rows_cut_to_the_depth_that_pays_inside_a_larger_k():
     (7.42 tokens / 27.2 ms beats 1 draft's 5.8 / 24.4 by the margin, 3 drafts' 7.91 / 30.0 does not)."""
     from qspec.runtime.dispatch import plan_by_cost
 
-    chain = np.cumprod([0.9, 0.9, 0.3, 0.1, 0.1, 0.1, 0.1, 0.1])
-    assert plan_by_cost([0, 8], live_price, [8, 8, 0, 0], chain) == (8, 2)
-    assert plan_by_cost([0, 8], lambda k, live: 40.0 if k else 21.6, [8, 8, 0, 0], chain) == (0, 0)
+    chains = [np.cumprod([0.9, 0.9, 0.3, 0.1, 0.1, 0.1, 0.1, 0.1])] * 4
+    assert plan_by_cost([0, 8], live_price, [8, 8, 0, 0], chains) == (8, [2, 2, 0, 0])
+    assert plan_by_cost([0, 8], lambda k, live: 40.0 if k else 21.6, [8, 8, 0, 0], chains) == (0, [0, 0, 0, 0])
+
+
+def test_each_row_verifies_the_drafts_its_own_chain_pays_for():
+    """The docstring's example: a live token costs 1 ms on a 10 ms call; the row whose drafts are
+    likely (chain 0.9, 0.72, ...) verifies two, the unlikely one (0.3, 0.03, ...) one: 4.0 tokens / 15 ms
+    beats 3.7 / 14 (the first row alone) and 4.2 / 16 (its third draft too)."""
+    from qspec.runtime.dispatch import plan_by_cost
+
+    likely, unlikely = np.array([0.9, 0.8, 0.2, 0.1]), np.array([0.3, 0.1, 0.05, 0.01])
+    assert plan_by_cost([0, 4], lambda k, live: 10.0 + live, [4, 4], [likely, unlikely]) == (4, [2, 1])
+    # On a graph that pads, drafts inside the K are free: both rows verify all four.
+    assert plan_by_cost([0, 4], lambda k, live: 12.0 if k == 0 else 18.0, [4, 4], [likely, unlikely]) == (4, [4, 4])
+
+
+def test_rows_with_certain_drafts_go_deep_while_others_stay_shallow():
+    """Ks [0, 1, 2, 4, 8] at 4 rows: one row continuing a long match (c_i = 0.95) verifies all 8 drafts
+    in the K=8 call, the three others (c_i = 0.2) none; the call is priced by its 12 live tokens."""
+    from qspec.runtime.dispatch import plan_by_cost
+
+    strong, weak = np.cumprod([0.95] * 8), np.cumprod([0.2] * 8)
+    plan = plan_by_cost([0, 1, 2, 4, 8], live_price, [8, 8, 8, 8], [strong, weak, weak, weak])
+    assert plan == (8, [8, 0, 0, 0])
 
 
 def test_call_costs_price_live_tokens():
@@ -165,8 +205,9 @@ def test_cost_dispatch_keeps_verifying_drafts_it_priced_out(four_slots):
     plain = greedy_none(four_slots, params)
     engine = Engine(four_slots, method="pld")
     assert engine.model.packs_live_tokens  # a continuous-batching runtime graph prices live tokens
-    engine.stats.accepted[:] = 1e-9  # as if every draft so far had been rejected
-    engine.stats.tried[:] = 1e9
+    for match_len in range(4):  # as if every draft so far, after any n-gram match, had been rejected
+        for _ in range(2000):
+            engine.stats.observe(proposed=4, accepted=0, match_len=match_len)
     # Fixed prices (a tiny model's ~1 ms calls are noise): K=4 never pays, only exploration runs it.
     engine.call_ms = CallCosts({0: 10.0, 4: 30.0})
     engine.call_ms.observe = lambda *args: None

@@ -2,12 +2,14 @@
 
 ``cover`` (the default, :func:`pick_k`): the smallest K that covers the batch's longest proposal.
 
-``cost``: the K with the most expected tokens per millisecond, drafts cut to it. With several
-sequences in flight one long proposal would otherwise make every row pay for ``seq_len = K + 1``;
-on a CPU a batch-4 K=4 call costs about twice a K=0 call. Expected tokens use a running estimate of
-``c_i``, the chance that draft ``i`` is accepted given that drafts ``1..i-1`` were::
+``cost``: the K with the most expected tokens per millisecond, each row's drafts cut to the depth
+that pays (:func:`plan_by_cost`). With several sequences in flight one long proposal would otherwise
+make every row pay for ``seq_len = K + 1``; on a CPU a batch-4 K=4 call costs about twice a K=0 call.
+Expected tokens use running estimates of ``c_i``, the chance that draft ``i`` is accepted given that
+drafts ``1..i-1`` were, kept per proposal class (:class:`AcceptanceStats`: a prompt-lookup draft
+after a 3-gram match is accepted far more often than one after a 1-gram match)::
 
-    tokens(K) = Σ_rows [1 + Σ_{i ≤ min(n_row, K)} c_1 · … · c_i]       rate(K) = tokens(K) / cost(K)
+    tokens = Σ_rows [1 + Σ_{i ≤ depth_row} c_1 · … · c_i]       rate = tokens / cost(K, live tokens)
 
 Example: Ks ``[0, 4]``, costs 40 / 80 ms, two rows with 4 and 0 drafts, every ``c_i = 0.5``:
 K=0 gives 2 tokens / 40 ms = 0.050; K=4 gives 2 + (0.5 + 0.25 + 0.125 + 0.0625) = 2.94 tokens /
@@ -39,8 +41,8 @@ MARGIN = 1.1
 # this many steps with drafts on offer and none verified, one step verifies one draft a row. (A few
 # early rejections once priced pld's drafts out for a whole run: 2 K=4 calls of 508 at batch 4.)
 EXPLORE_EVERY = 8
-PRIOR_ACCEPTED = 1.0  # a weak prior of c_i = 0.5 until drafts have been verified
-PRIOR_TRIED = 2.0
+PRIOR_ACCEPTANCE = 0.5  # c_1 before any draft has been verified ...
+PRIOR_WEIGHT = 2.0  # ... worth two observations (see AcceptanceStats)
 
 
 def pick_k(ks: Sequence[int], proposed: int) -> int:
@@ -104,49 +106,70 @@ def measure_live_costs(model, ks: Sequence[int], repeats: int) -> CallCosts:
     return CallCosts(full, per_token=per_token, measured_tokens={k: rows * (k + 1) for k in ks})
 
 
-def expected_tokens(lengths: Sequence[int], k: int, chain: np.ndarray) -> float:
-    """Tokens a call of K produces in expectation: one per row plus its accepted drafts.
+def expected_tokens(depths: Sequence[int], chains: Sequence[np.ndarray]) -> float:
+    """Tokens a call produces in expectation: one per row plus its accepted drafts.
 
-    ``chain[i - 1]`` is the chance that drafts ``1..i`` are all accepted.
+    Row ``r`` verifies ``depths[r]`` drafts; ``chains[r][i - 1]`` is the chance that its drafts
+    ``1..i`` are all accepted.
     """
-    gains = np.concatenate(([0.0], np.cumsum(chain)))
-    return float(sum(1.0 + gains[min(n, k, len(chain))] for n in lengths))
+    return float(sum(1.0 + float(np.sum(chain[:depth])) for depth, chain in zip(depths, chains)))
 
 
 def plan_by_cost(
-    ks: Sequence[int], price: Callable[[int, int], float], lengths: Sequence[int], chain: np.ndarray
-) -> tuple[int, int]:
-    """``(K, depth)``: every row verifies its first ``min(n, depth)`` drafts in a call of K (the
-    smallest compiled K covering them), the depth with the most expected tokens per ms; a plan of a
-    larger K must beat the best one so far by :data:`MARGIN`. ``price(K, live_tokens)``: ms of a call.
+    ks: Sequence[int], price: Callable[[int, int], float], lengths: Sequence[int], chains: Sequence[np.ndarray]
+) -> tuple[int, list[int]]:
+    """``(K, depths)``: row ``r`` verifies its first ``depths[r]`` drafts in a call of K (the smallest
+    compiled K covering them), the plan with the most expected tokens per ms; a plan of a larger K
+    must beat the best one so far by :data:`MARGIN`. ``price(K, live_tokens)``: ms of a call;
+    ``chains[r]``: row ``r``'s acceptance chain (:meth:`AcceptanceStats.chain`).
 
-    On a graph that pads every row to ``K + 1`` tokens the price depends on K only, and the plans are
-    the Ks up to the ``cover`` K. On a graph whose MatMuls run on live tokens only (the runtime
-    graph: ``pack_tokens`` or ``trim_rows`` of :func:`qspec.backends.ort_attention.fuse_attention`) a
-    row's drafts cost what they are, and a depth between two compiled Ks (rows cut to 2 drafts in a
-    K=4 call) can win.
+    Draft ``i`` of row ``r`` adds ``chains[r][i - 1]`` expected tokens for one live token. For each
+    compiled K the plans worth pricing are the prefixes of the drafts it can hold, sorted by that gain
+    (a row's chain only falls, so a prefix never takes a draft without those before it). Example,
+    Ks ``[0, 4]``, a live token 1 ms on a 10 ms call, rows with 4 drafts at chain ``[0.9, 0.8, 0.2,
+    0.1]`` and 4 at ``[0.3, 0.1, ...]``: the first row's two drafts and the second row's first pay
+    (2 + 0.9 + 0.8 + 0.3 = 4.0 tokens / 15 ms beats 3.7 / 14 without the last, and 4.2 / 16
+    with the first row's third), the rest does not.
+
+    On a graph that pads every row to ``K + 1`` tokens the price depends on K only, and every draft a K
+    holds is free in it. On a graph whose MatMuls run on live tokens only (the runtime graph:
+    ``pack_tokens`` or ``trim_rows`` of :func:`qspec.backends.ort_attention.fuse_attention`) a row's
+    drafts cost what they are: rows are cut to different depths, between two compiled Ks too.
     """
-    best, best_rate = (ks[0], 0), -1.0
-    for depth in range(pick_k(ks, max(lengths, default=0)) + 1):
-        drafts = [min(n, depth, len(chain)) for n in lengths]
-        if depth and max(drafts, default=0) < depth:  # no row has that many drafts: nothing deeper
-            break
-        k = pick_k(ks, max(drafts, default=0))
-        rate = expected_tokens(lengths, depth, chain) / price(k, sum(1 + n for n in drafts))
+    rows = len(lengths)
+    drafts = [  # (gain, depth, row) of every draft on offer, the most likely first
+        (float(chain[i]), i + 1, r)
+        for r, (n, chain) in enumerate(zip(lengths, chains))
+        for i in range(min(n, len(chain)))
+    ]
+    drafts.sort(key=lambda draft: (-draft[0], draft[1]))
+    cover = pick_k(ks, max((depth for _, depth, _ in drafts), default=0))
+    plans = []  # (K, depths, expected tokens)
+    for cap in (k for k in ks if k <= cover):
+        depths, tokens, deepest = [0] * rows, float(rows), 0
+        plans.append((pick_k(ks, 0), list(depths), tokens))
+        for gain, depth, r in drafts:
+            if depth <= cap:
+                depths[r], tokens, deepest = depth, tokens + gain, max(deepest, depth)
+                plans.append((pick_k(ks, deepest), list(depths), tokens))
+    best, best_rate = (ks[0], [0] * rows), -1.0
+    for k, depths, tokens in sorted(plans, key=lambda plan: plan[0]):
+        rate = tokens / price(k, rows + sum(depths))
         margin = MARGIN if k > best[0] else 1.0  # a larger K must earn the margin; more drafts in the same K need not
         if rate > best_rate * margin + 1e-12:
-            best, best_rate = (k, depth), rate
+            best, best_rate = (k, depths), rate
     return best
 
 
 def pick_k_by_cost(ks: Sequence[int], costs_ms: Mapping[int, float], lengths: Sequence[int], chain: np.ndarray) -> int:
-    """The compiled K with the highest expected tokens per ms at a price per K (:func:`plan_by_cost`),
-    at most the ``cover`` K; a larger K must beat the best smaller one by :data:`MARGIN`.
+    """The compiled K with the highest expected tokens per ms at a price per K (:func:`plan_by_cost`,
+    every row on ``chain``), at most the ``cover`` K; a larger K must beat the best smaller one by
+    :data:`MARGIN`.
 
     A K above the one covering the longest proposal adds no token, only padding; its measured cost can
     still come out lower (a noisy warm-up), which once made ``none`` at batch 4 run K=4 on every step.
     """
-    return plan_by_cost(ks, lambda k, live: costs_ms[k], lengths, chain)[0]
+    return plan_by_cost(ks, lambda k, live: costs_ms[k], lengths, [chain] * len(lengths))[0]
 
 
 class CallCosts(Mapping[int, float]):
@@ -193,18 +216,54 @@ def _median(values) -> float:
 
 
 class AcceptanceStats:
-    """Running estimate of ``c_i`` per draft position ``i`` (1-based) from verified steps."""
+    """Running estimates of ``c_i``, the chance that draft ``i`` (1-based) is accepted given that drafts
+    ``1..i-1`` were, one set per proposal class (:attr:`Proposal.match_len`): how far a prompt-lookup
+    draft gets depends on what it continues (MT-bench, SmolLM2, drafts after a 1-gram match: first
+    accepted 25 % of the time, 0.7 drafts on average; after a 3-gram: 85 %, 5.0).
+
+    A class's ``c_1`` starts from every class's pooled ``c_1`` (itself from 0.5), and a deeper ``c_i``
+    from the class's own ``c_{i-1}``, each worth :data:`PRIOR_WEIGHT` observations: a class seen a few
+    times borrows from the others, and drafts never verified yet are priced like the shallower ones
+    (with a flat prior, rows cut to one draft never learned whether a second one pays).
+    """
 
     def __init__(self, k_max: int):
-        self.tried = np.full(max(k_max, 1), PRIOR_TRIED)
-        self.accepted = np.full(max(k_max, 1), PRIOR_ACCEPTED)
+        self.k_max = max(k_max, 1)
+        self._tried: dict[int, np.ndarray] = {}
+        self._accepted: dict[int, np.ndarray] = {}
+        self._pooled = (np.zeros(self.k_max), np.zeros(self.k_max))  # (tried, accepted) of every class
+        self._chains: dict[int, np.ndarray] = {}
 
-    def observe(self, proposed: int, accepted: int) -> None:
+    def observe(self, proposed: int, accepted: int, match_len: int = 0) -> None:
         """Draft ``i`` was tried iff drafts before it were accepted: ``i <= accepted + 1``."""
-        tried = min(proposed, accepted + 1)
-        self.tried[:tried] += 1
-        self.accepted[:accepted] += 1
+        tried = min(proposed, accepted + 1, self.k_max)
+        accepted = min(accepted, self.k_max)
+        for counts in (self._counts(match_len), self._pooled):
+            counts[0][:tried] += 1
+            counts[1][:accepted] += 1
+        self._chains.clear()
 
-    def chain(self) -> np.ndarray:
-        """``[P(d_1 accepted), P(d_1, d_2 accepted), ...]``."""
-        return np.cumprod(self.accepted / self.tried)
+    def counts(self, match_len: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """``(tried, accepted)`` per draft position for one class (observations only, no prior)."""
+        tried, accepted = self._counts(match_len)
+        return tried.copy(), accepted.copy()
+
+    def _counts(self, match_len: int) -> tuple[np.ndarray, np.ndarray]:
+        if match_len not in self._tried:
+            self._tried[match_len] = np.zeros(self.k_max)
+            self._accepted[match_len] = np.zeros(self.k_max)
+        return self._tried[match_len], self._accepted[match_len]
+
+    def chain(self, match_len: int = 0) -> np.ndarray:
+        """``[P(d_1 accepted), P(d_1, d_2 accepted), ...]`` for a proposal of this class."""
+        chain = self._chains.get(match_len)
+        if chain is None:
+            pooled_tried, pooled_accepted = self._pooled
+            first = (pooled_accepted[0] + PRIOR_WEIGHT * PRIOR_ACCEPTANCE) / (pooled_tried[0] + PRIOR_WEIGHT)
+            tried, accepted = self._counts(match_len)
+            rates, prior = [], first
+            for i in range(self.k_max):
+                prior = (accepted[i] + PRIOR_WEIGHT * prior) / (tried[i] + PRIOR_WEIGHT)
+                rates.append(prior)
+            chain = self._chains[match_len] = np.cumprod(rates)
+        return chain

@@ -236,23 +236,30 @@ class Engine:
             return self.dispatch
         return "cost" if all(seq.params.greedy for seq in live) else "cover"
 
+    def plan(self, live: list[SequenceState], proposals: list[Proposal]) -> tuple[int, list[int]]:
+        """``(K, depths)``: the call to run and how many drafts each row verifies in it."""
+        lengths = [len(p) for p in proposals]
+        if self.k_max == 0:  # `none`: nothing to verify, nothing to plan
+            return self.ks[0], lengths
+        if self.dispatch_for(live) != "cost":
+            k = pick_k(self.ks, max(lengths))
+            return k, [min(n, k) for n in lengths]
+        chains = [self.stats.chain(p.match_len) for p in proposals]
+        k, depths = plan_by_cost(self.ks, self._price, lengths, chains)
+        if any(depths):
+            self._unverified = 0
+        elif any(lengths):
+            self._unverified += 1  # steps with drafts on offer that verified none
+            if self._unverified >= EXPLORE_EVERY:
+                self._unverified = 0
+                return pick_k(self.ks, 1), [min(n, 1) for n in lengths]
+        return k, depths
+
     def decode(self, live: list[SequenceState]) -> None:
         """One decode step for every live sequence: propose, pick K, verify, accept."""
-        batch = list(zip(live, self.propose(live)))
-        lengths = [len(p) for _, p in batch]
-        if self.k_max == 0:  # `none`: nothing to verify, nothing to plan
-            k, depth = self.ks[0], 0
-        elif self.dispatch_for(live) == "cost":
-            k, depth = plan_by_cost(self.ks, self._price, lengths, self.stats.chain())
-            if depth == 0 and max(lengths) > 0:
-                self._unverified += 1  # steps with drafts on offer that verified none
-                if self._unverified >= EXPLORE_EVERY:
-                    k, depth = pick_k(self.ks, 1), 1
-            if depth:
-                self._unverified = 0
-        else:
-            k = depth = pick_k(self.ks, max(lengths))
-        batch = [(seq, p.cut(min(k, depth))) for seq, p in batch]
+        proposals = self.propose(live)
+        k, depths = self.plan(live, proposals)
+        batch = [(seq, p.cut(depth)) for seq, p, depth in zip(live, proposals, depths)]
         logits = self.verify(k, [(seq, p.tokens) for seq, p in batch])  # [rows, k + 1, vocab]
         for seq, proposal in batch:
             n = len(proposal)
@@ -260,7 +267,7 @@ class Engine:
             tokens = self.accept(seq, proposal, row)
             seq.metrics.target_call(k, proposed=n, accepted=len(tokens) - 1)
             if n:
-                self.stats.observe(n, len(tokens) - 1)
+                self.stats.observe(n, len(tokens) - 1, proposal.match_len)
             seq.position += len(tokens)  # `last` and the accepted drafts are now in the cache
             self._emit(seq, tokens)
 

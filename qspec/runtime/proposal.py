@@ -41,10 +41,15 @@ class Proposal:
     ``probs`` [n, vocab]: row ``i`` is the distribution ``q`` draft ``i`` was drawn from (a draft
     model that samples); None when each draft is a point mass (prompt lookup, suffix, user drafts,
     greedy draft models). The verifier's ``min(1, p / q)`` rule needs it.
+
+    ``match_len``: how long a match of the history the drafts continue (prompt lookup: the n-gram's
+    length; suffix decoding: the matched suffix's); 0 when the proposer has no such measure. Cost
+    dispatch keeps acceptance statistics per match length.
     """
 
     tokens: np.ndarray  # [n] int64
     probs: np.ndarray | None = None  # [n, vocab]
+    match_len: int = 0
 
     def __post_init__(self) -> None:
         if self.probs is not None:
@@ -59,7 +64,7 @@ class Proposal:
         """The first ``n`` drafts (and their q)."""
         if n >= len(self.tokens):
             return self
-        return Proposal(self.tokens[:n], None if self.probs is None else self.probs[:n])
+        return Proposal(self.tokens[:n], None if self.probs is None else self.probs[:n], self.match_len)
 
     @classmethod
     def empty(cls) -> Proposal:
@@ -96,9 +101,14 @@ class Proposer(ABC):
     def finish(self, request_id: RequestId) -> None:
         """Forget ``request_id`` (a proposer may keep what it learned from it)."""
 
+    def proposal(self, request_id: RequestId, k: int) -> Proposal:
+        """:meth:`propose`'s drafts as a :class:`Proposal`; a proposer that measures its match overrides
+        this to say how long it is (:attr:`Proposal.match_len`)."""
+        return Proposal(as_tokens(self.propose(request_id, k)))
+
     def propose_batch(self, items: Sequence[tuple[RequestId, int]]) -> list[Proposal]:
         """A proposal of at most ``cap`` drafts for each ``(request_id, cap)``; by default one by one."""
-        return [Proposal(as_tokens(self.propose(rid, cap))) if cap > 0 else Proposal.empty() for rid, cap in items]
+        return [self.proposal(rid, cap) if cap > 0 else Proposal.empty() for rid, cap in items]
 
     def check_target(self, *, vocab_size: int, ctx_len: int, num_slots: int) -> None:
         """Raise ConfigError when this proposer cannot serve the target; most proposers serve any."""

@@ -144,16 +144,20 @@ class PromptLookup:
 
     def propose(self, k: int) -> np.ndarray:
         """At most ``k`` drafts: ``find_longest_ngram(history, min_n, max_n, k)``."""
+        return self.propose_match(k)[0]
+
+    def propose_match(self, k: int) -> tuple[np.ndarray, int]:
+        """``(drafts, n)``: :meth:`propose`'s drafts and the length of the n-gram they continue (0: none)."""
         last = len(self.tokens) - 1
         if k <= 0 or last < 1:
-            return _EMPTY.copy()
+            return _EMPTY.copy(), 0
         for n in range(min(self.max_n, last), self.min_n - 1, -1):
             ends = self._ends[tuple(self.tokens[last - n + 1 :])]
             # The pattern itself is the last entry (it ends at `last`); only earlier ones count.
             if len(ends) > 1:
                 end = _pick_match(ends, last, k, size=len(ends) - 1)
-                return np.asarray(self.tokens[end + 1 : end + 1 + k], dtype=np.int64)
-        return _EMPTY.copy()
+                return np.asarray(self.tokens[end + 1 : end + 1 + k], dtype=np.int64), n
+        return _EMPTY.copy(), 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -214,6 +218,11 @@ class PromptLookupProposer(Proposer):
 
     def propose(self, request_id: RequestId, k: int) -> np.ndarray:
         return self._lookup(request_id).propose(k)
+
+    def proposal(self, request_id: RequestId, k: int) -> Proposal:
+        """The drafts with the length of the n-gram they continue (a 3-gram's are accepted far more often)."""
+        drafts, n = self._lookup(request_id).propose_match(k)
+        return Proposal(drafts, match_len=n if len(drafts) else 0)
 
     def finish(self, request_id: RequestId) -> None:
         self._lookups.pop(request_id, None)

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from qspec.errors import ConfigError
-from qspec.runtime.proposal import Proposer, RequestId, Tokens
+from qspec.runtime.proposal import Proposal, Proposer, RequestId, Tokens
 from qspec.runtime.sampling import SamplingParams
 
 DEFAULT_MAX_TREE_DEPTH = 24
@@ -46,6 +46,8 @@ DEFAULT_MAX_TREE_DEPTH = 24
 DEFAULT_MAX_CACHED_REQUESTS = 256
 DEFAULT_MAX_SPEC_FACTOR = 1.0
 DEFAULT_MIN_TOKEN_PROB = 0.1
+# Proposal.match_len of suffix drafts: matches of this many tokens or more are one class for dispatch.
+MATCH_LEN_CLASSES = 8
 
 
 # --------------------------------------------------------------------------------------------
@@ -157,18 +159,19 @@ class SuffixTrie:
 
     def speculate(
         self, frontier: Frontier, k: int, *, max_spec_factor: float, min_token_prob: float, own: bool
-    ) -> tuple[list[int], float]:
-        """The best-scoring draft of at most ``k`` tokens continuing a match in ``frontier``.
+    ) -> tuple[list[int], float, int]:
+        """``(draft, score, match_len)``: the best-scoring draft of at most ``k`` tokens continuing a
+        match in ``frontier``, and the length of that match.
 
         ``own``: the frontier's history is in this tree, so each of its suffixes has one
         occurrence (at the history's end) that has no continuation yet and is not counted.
         """
-        best: tuple[list[int], float] = ([], 0.0)
+        best: tuple[list[int], float, int] = ([], 0.0, 0)
         for match_len in range(len(frontier) - 1, 0, -1):
             limit = min(k, int(max_spec_factor * match_len + 1e-9))
             draft, score = self._walk(frontier, match_len, limit, min_token_prob, own)
             if score > best[1]:
-                best = (draft, score)
+                best = (draft, score, match_len)
         return best
 
     def _walk(
@@ -275,16 +278,20 @@ class SuffixProposer(Proposer):
         return req.global_frontier
 
     def propose(self, request_id: RequestId, k: int) -> np.ndarray:
+        return self.proposal(request_id, k).tokens
+
+    def proposal(self, request_id: RequestId, k: int) -> Proposal:
+        """The best-scoring draft of the request's own tree and the global one, with its match length."""
         req = self._request(request_id)
         if k <= 0:
-            return np.zeros(0, dtype=np.int64)
+            return Proposal.empty()
         knobs = dict(max_spec_factor=self.max_spec_factor, min_token_prob=self.min_token_prob)
-        draft, score = req.tree.speculate(req.frontier, k, own=True, **knobs)
+        draft, score, match_len = req.tree.speculate(req.frontier, k, own=True, **knobs)
         if self._cached:
-            global_draft, global_score = self.global_tree.speculate(self._global_frontier(req), k, own=False, **knobs)
-            if global_score > score:
-                draft = global_draft
-        return np.asarray(draft, dtype=np.int64)
+            other = self.global_tree.speculate(self._global_frontier(req), k, own=False, **knobs)
+            if other[1] > score:
+                draft, score, match_len = other
+        return Proposal(np.asarray(draft, dtype=np.int64), match_len=min(match_len, MATCH_LEN_CLASSES) if draft else 0)
 
     def finish(self, request_id: RequestId) -> None:
         """Forget the request; its output (tokens after the prompt) joins the global tree."""
