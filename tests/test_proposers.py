@@ -227,6 +227,19 @@ def test_default_propose_batch_gives_point_mass_proposals():
     assert a.cut(1).tokens.tolist() == [3]
 
 
+def test_prompt_lookup_proposals_carry_the_matched_ngram_length():
+    """match_len is the n of the n-gram the drafts continue (cost dispatch's acceptance class); 0 without drafts."""
+    proposer = PromptLookupProposer(prompt_lookup_min=1, prompt_lookup_max=3)
+    proposer.start("tri", [5, 6, 7, 8, 5, 6, 7])  # [5, 6, 7] occurred before: a 3-gram match
+    proposer.start("uni", [5, 6, 7, 8, 9, 7])  # only [7] occurred before
+    proposer.start("none", [1, 2, 3])
+    tri, uni, none = proposer.propose_batch([("tri", 4), ("uni", 4), ("none", 4)])
+    assert (tri.tokens.tolist(), tri.match_len) == ([8, 5, 6, 7], 3)
+    assert (uni.tokens.tolist(), uni.match_len) == ([8, 9, 7], 1)
+    assert (len(none), none.match_len) == (0, 0)
+    assert tri.cut(2).match_len == 3  # cutting drafts keeps the class
+
+
 def test_make_proposer_bad_knobs():
     """Unknown knob names and invalid values raise ConfigError naming them."""
     with pytest.raises(ConfigError, match="prompt_lookup_mn"):

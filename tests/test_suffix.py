@@ -113,6 +113,16 @@ def test_spec_length_follows_match_length():
     assert propose(prompt, k=3, suffix_decoding_max_spec_factor=2.0) == [3, 4, 5]
 
 
+def test_proposals_carry_the_match_length():
+    """match_len is the length of the suffix match the draft continues (0 when there is no draft)."""
+    proposer = SuffixProposer()
+    proposer.start("a", [1, 2, 3, 4, 5, 1, 2])  # match [1, 2]
+    proposer.start("b", [1, 2, 3])
+    a, b = proposer.propose_batch([("a", 5), ("b", 5)])
+    assert (a.tokens.tolist(), a.match_len) == ([3, 4], 2)
+    assert (len(b), b.match_len) == (0, 0)
+
+
 def test_min_token_prob_stops_the_walk():
     """The walk stops when the running probability drops below min_token_prob."""
     prompt = [7, 8, 9, 7, 8, 9, 7, 8, 4, 7]
