@@ -214,3 +214,24 @@ def test_cost_dispatch_keeps_verifying_drafts_it_priced_out(four_slots):
     assert [out.token_ids for out in engine.generate(PROMPTS, params)] == plain
     metrics = engine.last_metrics
     assert 0 < metrics.calls["4"] <= metrics.calls["0"] // (EXPLORE_EVERY - 1) + 1
+
+
+def test_engine_sends_each_row_as_deep_as_its_match_class_pays(four_slots):
+    """A 4-slot engine that has seen 3-gram drafts pass and 1-gram drafts fail plans one call where the
+    row continuing a 3-gram match verifies all 4 drafts and the rows continuing 1-gram matches none; a
+    row of an unseen class borrows the pooled first-draft rate (0.5 here): its first draft pays at a
+    20 ms call plus 1 ms a live token (0.5 tokens for 1 ms against ~0.28 a ms), its second does not."""
+    from qspec.runtime import Engine, SamplingParams
+    from qspec.runtime.proposal import Proposal
+    from qspec.runtime.request import SequenceState
+
+    engine = Engine(four_slots, method="pld")
+    engine.call_ms = CallCosts({0: 24.0, 4: 24.0}, per_token=1.0, measured_tokens={0: 4, 4: 4})  # 20 ms + 1 a token
+    for _ in range(50):
+        engine.stats.observe(proposed=4, accepted=4, match_len=3)
+        engine.stats.observe(proposed=4, accepted=0, match_len=1)
+    live = [SequenceState(i, [1, 2, 3], SamplingParams(max_new_tokens=8)) for i in range(4)]
+    drafts = np.array([7, 8, 9, 10])
+    proposals = [Proposal(drafts, match_len=m) for m in (3, 1, 1, 2)]
+    k, depths = engine.plan(live, proposals)
+    assert (k, depths) == (4, [4, 0, 0, 1])
