@@ -229,10 +229,12 @@ class AcceptanceStats:
 
     def __init__(self, k_max: int):
         self.k_max = max(k_max, 1)
-        self._tried: dict[int, np.ndarray] = {}
-        self._accepted: dict[int, np.ndarray] = {}
-        self._pooled = (np.zeros(self.k_max), np.zeros(self.k_max))  # (tried, accepted) of every class
+        self._by_class: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # match_len -> (tried, accepted)
+        self._pooled = self._zeros()  # (tried, accepted) of every class
         self._chains: dict[int, np.ndarray] = {}
+
+    def _zeros(self) -> tuple[np.ndarray, np.ndarray]:
+        return np.zeros(self.k_max), np.zeros(self.k_max)
 
     def observe(self, proposed: int, accepted: int, match_len: int = 0) -> None:
         """Draft ``i`` was tried iff drafts before it were accepted: ``i <= accepted + 1``."""
@@ -249,10 +251,9 @@ class AcceptanceStats:
         return tried.copy(), accepted.copy()
 
     def _counts(self, match_len: int) -> tuple[np.ndarray, np.ndarray]:
-        if match_len not in self._tried:
-            self._tried[match_len] = np.zeros(self.k_max)
-            self._accepted[match_len] = np.zeros(self.k_max)
-        return self._tried[match_len], self._accepted[match_len]
+        if match_len not in self._by_class:
+            self._by_class[match_len] = self._zeros()
+        return self._by_class[match_len]
 
     def chain(self, match_len: int = 0) -> np.ndarray:
         """``[P(d_1 accepted), P(d_1, d_2 accepted), ...]`` for a proposal of this class."""
