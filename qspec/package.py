@@ -112,6 +112,7 @@ class RuntimeGraph(BaseModel):
     quantized_matmuls: int = 0
     block_size: int | None = None
     accuracy_level: int | None = None
+    symmetric: bool | None = None  # quantized blocks: a scale only (True) or a scale and a zero point
     weight_bytes: int  # initializer bytes every call reads (embedding tables excluded)
     # Set when attention is ONNX Runtime's GroupQueryAttention (qspec.backends.ort_attention): the rows of
     # its RoPE table, positions below it.
