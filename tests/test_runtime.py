@@ -103,7 +103,40 @@ def test_continuous_batching_equals_batch_one(packages, reference):
     for prompt, n, out in zip(PROMPTS, budgets, outputs):
         assert out.token_ids == reference(prompt, n)
         assert out.finish_reason == "length"
-    assert engine.last_metrics.calls["prefill"] >= 5  # the 5th request took a freed slot
+    # the 5th request took a freed slot while the others decoded: its prompt rode along a decode call
+    first_four = sum(-(-len(prompt) // 8) for prompt in PROMPTS[:4])  # their chunks of prefill_seq_len 8
+    assert engine.last_metrics.calls["prefill"] == first_four and engine.mixed_calls >= 1
+
+
+@pytest.mark.parametrize("method", ["none", "pld"])
+def test_prompts_admitted_mid_batch_ride_along_decode_calls(packages, reference, method):
+    """8 requests through 4 KV slots, prompts of 3 to 30 tokens (up to 4 chunks of 8): a request admitted
+    while others decode has its prompt written a chunk per decode call, beside rows verifying drafts, and
+    every output still equals its transformers greedy run; the decoding rows gained tokens meanwhile."""
+    prompts = [*PROMPTS, list(range(60, 90)), [7, 8, 9] * 7, [50, 51, 52]]
+    budgets = [5, 18, 9, 3, 14, 11, 6, 12]
+    engine = Engine(packages["cb"], method=method)
+    assert engine.model.mixes_prefill
+    outputs = engine.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in budgets])
+    for prompt, n, out in zip(prompts, budgets, outputs):
+        assert out.token_ids == reference(prompt, n)
+    # only the first four prompts went through prefill calls (chunks of prefill_seq_len 8)
+    assert engine.last_metrics.calls["prefill"] == sum(-(-len(prompt) // 8) for prompt in prompts[:4])
+    assert engine.mixed_calls >= 4 + 3  # the 30-token prompt alone took 4 chunks
+    if method == "pld":
+        assert engine.last_metrics.accepted > 0
+
+
+def test_mixed_calls_off_on_static_sessions(packages, reference):
+    """One session per compiled shape (``session_mode="static"``) takes no wider call: prompts go through
+    prefill calls as before, with the same outputs."""
+    engine = Engine(packages["cb"], method="pld", session_mode="static")
+    assert not engine.model.mixes_prefill
+    budgets = [20, 7, 13, 3, 16]
+    outputs = engine.generate(PROMPTS, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in budgets])
+    assert [o.token_ids for o in outputs] == [reference(p, n) for p, n in zip(PROMPTS, budgets)]
+    assert engine.last_metrics.calls["prefill"] > sum(-(-len(prompt) // 8) for prompt in PROMPTS[:4])
+    assert engine.mixed_calls == 0
 
 
 def test_every_row_padded_but_one(packages, reference):
@@ -306,10 +339,13 @@ def test_compute_context_buckets_keep_greedy_output(model, tmp_path, reference, 
         # timings (auto's cost dispatch prices Ks by measured calls).
         engine = Engine(package, method=method, dispatch="cover")
         calls, run, prefill, phase = [], engine.model.run, engine.prefill, {"prefill": False}
+        prefill_specs = set(engine.model.prefill_specs.values())
 
-        def spy(bound, calls=calls, run=run, phase=phase):  # bound now: this method's engine
+        def spy(bound, calls=calls, run=run, phase=phase, prefill_specs=prefill_specs):  # this method's engine
             live = bound.position_ids[bound.position_ids >= 0]
-            shape = bound.spec.seq_len == 8  # the prefill shape (a prompt's tail may run in a decode shape)
+            # the prefill shape (a prompt's tail may run in a decode shape; a decode call carrying a prompt's
+            # chunk is as wide as the prefill shape, in a decode bucket)
+            shape = bound.spec in prefill_specs
             calls.append((phase["prefill"], shape, bound.spec.comp_ctx_lengths, int(live.min()), int(live.max())))
             return run(bound)
 

@@ -83,6 +83,8 @@ class LoadedModel(ABC):
     # prefill and each decode shape of a graph that pads: the faster of two timed calls, after warm_up
     call_ms: dict[Specialization, float]
     packs_live_tokens: bool = False  # the graph's MatMuls run on live tokens only: padding costs (almost) nothing
+    # A decode call may also carry prompt chunks (:meth:`mixed_for`): one session takes any shape.
+    mixes_prefill: bool = False
 
     def _read_package(self, package: str | Path, prefill_seq_len: int | None = None) -> None:
         """Shapes the runtime needs, from the manifest: Ks, ctx_len, KV rows, vocabulary.
@@ -131,6 +133,12 @@ class LoadedModel(ABC):
     def decode_for(self, k: int, end: int) -> Binding:
         """The K binding of the smallest bucket that holds positions ``< end`` (every row's, after the call)."""
         return self.bindings[self.bucket_specs[(k, _bucket(self.decode_buckets, end))]]
+
+    def mixed_for(self, k: int, width: int, end: int) -> Binding:
+        """A binding of the K decode shape ``width`` tokens wide (``width >= K + 1``), for a call whose rows
+        are decode rows and prompt chunks of up to ``width`` tokens: the decode rows' K + 1 logits and a
+        chunk's last ones (``logits[row, -1]``). Only when :attr:`mixes_prefill`."""
+        raise NotImplementedError(f"{type(self).__name__} runs the compiled shapes only")
 
     def warm_up(self) -> None:
         """Run every specialization once on padding only: the first request pays no set-up; then, on a

@@ -153,6 +153,9 @@ class Engine:
         self.calls: dict[Any, int] = {"prefill": 0, **{k: 0 for k in self.ks}}  # since load
         self._waiting: deque[SequenceState] = deque()
         self._slots: list[SequenceState | None] = [None] * self.num_slots
+        # Admitted while other rows decode: their prompts go a chunk per decode call (mixed calls).
+        self._prefilling: list[SequenceState] = []
+        self.mixed_calls = 0  # decode calls since load that also carried prompt chunks (counted under their K too)
         self._updated: dict[int, SequenceState] = {}  # requests with news for the next delta
         self._next_id = 0
         self.call_ms = self.warmup()
@@ -171,17 +174,22 @@ class Engine:
     # ------------------------------------------------------------------ phases
 
     def prefill(self, group: list[SequenceState]) -> None:
-        """Run the prompts of ``group`` in chunks of ``prefill_seq_len``; sets each one's first token."""
+        """Run the prompts of ``group`` (from what a mixed call already wrote) in chunks of
+        ``prefill_seq_len``; sets each one's first token."""
+        rows = [PrefillRow(seq.slot, seq.prompt[seq.prefilled :], start=seq.prefilled) for seq in group]
+        self.calls["prefill"] += run_prefill(self.model, rows, lambda i, logits: self._first_token(group[i], logits))
 
-        def first_token(i: int, logits: np.ndarray) -> None:  # logits [1, vocab] after the prompt
-            seq = group[i]
-            seq.position = len(seq.prompt)
-            first = sample_tokens(logits, seq.params, seq.rng)[0]
-            seq.metrics.first_token(time.perf_counter())
-            self._emit(seq, [first])
+    def _first_token(self, seq: SequenceState, logits: np.ndarray) -> None:
+        """The prompt is in the cache: sample the first token from ``logits`` [1, vocab] after it."""
+        seq.prefilled = seq.position = len(seq.prompt)
+        first = sample_tokens(logits, seq.params, seq.rng)[0]
+        seq.metrics.first_token(time.perf_counter())
+        self._emit(seq, [first])
 
-        rows = [PrefillRow(seq.slot, seq.prompt) for seq in group]
-        self.calls["prefill"] += run_prefill(self.model, rows, first_token)
+    def next_chunks(self) -> list[tuple[SequenceState, int, list[int]]]:
+        """``(seq, start, tokens)``: the next ``prefill_seq_len`` prompt tokens of every prefilling request."""
+        width = self.model.prefill.spec.seq_len
+        return [(seq, seq.prefilled, seq.prompt[seq.prefilled : seq.prefilled + width]) for seq in self._prefilling]
 
     def draft_cap(self, seq: SequenceState) -> int:
         """Most drafts ``seq`` may verify: no position may reach ``ctx_len``, no token past the budget."""
@@ -193,19 +201,34 @@ class Engine:
         proposals = self.proposer.propose_batch([(seq.index, cap) for seq, cap in zip(live, caps)])
         return [proposal.cut(cap) for proposal, cap in zip(proposals, caps)]
 
-    def verify(self, k: int, batch: list[tuple[SequenceState, np.ndarray]]) -> np.ndarray:
-        """One call of the ``seq_len = k + 1`` specialization; logits ``[rows, k + 1, vocab]``."""
-        bound = self.model.decode_for(k, max(seq.position + len(drafts) + 1 for seq, drafts in batch))
+    def verify(
+        self,
+        k: int,
+        batch: list[tuple[SequenceState, np.ndarray]],
+        chunks: Sequence[tuple[SequenceState, int, list[int]]] = (),
+    ) -> np.ndarray:
+        """One call of the ``seq_len = k + 1`` specialization; logits ``[rows, k + 1, vocab]``. With
+        ``chunks`` (``(seq, start, tokens)`` of prompts being prefilled) the call is that shape made as wide
+        as a prefill chunk (:meth:`LoadedModel.mixed_for`); a chunk's last logits are ``[seq.slot, -1]``."""
+        end = max([seq.position + len(drafts) + 1 for seq, drafts in batch] + [s + len(t) for _, s, t in chunks])
+        if chunks:
+            bound = self.model.mixed_for(k, max(k + 1, self.model.prefill.spec.seq_len), end)
+        else:
+            bound = self.model.decode_for(k, end)
         bound.reset()
         for seq, drafts in batch:
             n = len(drafts)
             bound.input_ids[seq.slot, 0] = seq.last
             bound.input_ids[seq.slot, 1 : n + 1] = drafts
             bound.position_ids[seq.slot, : n + 1] = np.arange(seq.position, seq.position + n + 1)
+        for seq, start, tokens in chunks:
+            bound.input_ids[seq.slot, : len(tokens)] = tokens
+            bound.position_ids[seq.slot, : len(tokens)] = np.arange(start, start + len(tokens))
         self.calls[k] += 1
+        self.mixed_calls += bool(chunks)
         begin = time.perf_counter()
         logits = self.model.run(bound)
-        if isinstance(self.call_ms, CallCosts):
+        if isinstance(self.call_ms, CallCosts) and not chunks:  # a chunk's tokens are not K's price
             live = sum(len(drafts) + 1 for _, drafts in batch)
             self.call_ms.observe(k, (time.perf_counter() - begin) * 1000, live)
         return logits
@@ -260,7 +283,13 @@ class Engine:
         proposals = self.propose(live)
         k, depths = self.plan(live, proposals)
         batch = [(seq, p.cut(depth)) for seq, p, depth in zip(live, proposals, depths)]
-        logits = self.verify(k, [(seq, p.tokens) for seq, p in batch])  # [rows, k + 1, vocab]
+        chunks = self.next_chunks()
+        logits = self.verify(k, [(seq, p.tokens) for seq, p in batch], chunks)  # [rows, k + 1, vocab]
+        for seq, start, tokens in chunks:
+            seq.prefilled = start + len(tokens)
+            if seq.prefilled == len(seq.prompt):  # its prompt is in: it decodes from the next step
+                self._prefilling.remove(seq)
+                self._first_token(seq, logits[seq.slot, -1:])
         for seq, proposal in batch:
             n = len(proposal)
             row = logits[seq.slot, k - n : k + 1]  # right-aligned: the last n + 1 real tokens
@@ -336,7 +365,7 @@ class Engine:
         """One scheduler iteration: admit and prefill waiting requests into free slots, one decode step
         for every live request, retire the finished. Returns what each request produced in it."""
         self._admit()
-        live = [seq for seq in self._slots if seq is not None]
+        live = [seq for seq in self._slots if seq is not None and seq.prefilled == len(seq.prompt)]
         before = {seq.index: (seq.metrics.proposed, seq.metrics.accepted) for seq in live}
         if live:
             self.decode(live)
@@ -344,9 +373,18 @@ class Engine:
         return self._drain(before)
 
     def _admit(self) -> None:
-        """Move waiting requests into free slots and prefill them, ``batch_size`` per prefill call."""
+        """Move waiting requests into free slots and prefill them, ``batch_size`` per prefill call; while other
+        requests decode, on a model that :attr:`~LoadedModel.mixes_prefill`, their prompts go a chunk per
+        decode call instead (the decoding rows do not wait for a whole prompt: :meth:`decode`)."""
         per_call = self.model.prefill.spec.batch_size if self.model.continuous_batching else self.num_slots
         slots = self._slots
+        decoding = any(seq is not None and seq.prefilled == len(seq.prompt) for seq in slots)
+        if self._prefilling and not decoding:  # nobody left to ride along with: finish them in prefill calls
+            group, self._prefilling = self._prefilling, []
+            self.prefill(group)
+            self._retire()
+            decoding = any(seq is not None for seq in slots)
+        mix = self.model.mixes_prefill and decoding
         while self._waiting and None in slots:
             group = []
             while self._waiting and None in slots and len(group) < per_call:
@@ -355,6 +393,9 @@ class Engine:
                 slots[seq.slot] = seq
                 self.proposer.start(seq.index, seq.prompt, seq.params, seq.rng)
                 group.append(seq)
+            if mix:
+                self._prefilling.extend(group)
+                continue
             self.prefill(group)
             self._retire()
 
@@ -366,6 +407,8 @@ class Engine:
 
     def _release(self, slot: int, now: float) -> None:
         seq = self._slots[slot]
+        if seq in self._prefilling:  # aborted before its prompt was in
+            self._prefilling.remove(seq)
         seq.metrics.finish(now, len(seq.output))
         self.proposer.finish(seq.index)
         self._slots[slot] = None

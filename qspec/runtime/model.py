@@ -114,6 +114,10 @@ class CompiledModel(LoadedModel):
         self.kv = [ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, dtype=dtype)) for _ in self.kv_names]
         self.bindings: dict[Specialization, OrtBinding] = {spec: self._bind(spec, sessions[spec]) for spec in specs}
         self._index()
+        # One session with free seq_len over a graph that packs live tokens and keeps a KV row per slot: a
+        # decode call can take a prompt chunk beside the live rows at the cost of the chunk's tokens.
+        self.mixes_prefill = session_mode == "shared" and self.continuous_batching and self.packs_live_tokens
+        self._mixed: dict[Specialization, OrtBinding] = {}
 
     def _session_spec(self, spec: Specialization) -> Specialization:
         """``spec`` as the session runs it: ``ctx_len`` is :attr:`kv_len`."""
@@ -140,6 +144,14 @@ class CompiledModel(LoadedModel):
             binding.bind_ortvalue_input(name, value)
             binding.bind_ortvalue_output(contract.retained(name), value)
         return OrtBinding(spec, **arrays, session=session, binding=binding, keep=values)
+
+    def mixed_for(self, k: int, width: int, end: int) -> OrtBinding:
+        if not self.mixes_prefill:
+            return super().mixed_for(k, width, end)
+        spec = self.decode_for(k, end).spec.model_copy(update={"seq_len": width})
+        if spec not in self._mixed:  # made on first use, a few per package (K x chunk widths)
+            self._mixed[spec] = self._bind(spec, self.bindings[self.prefill_spec].session)
+        return self._mixed[spec]
 
     def run(self, bound: OrtBinding) -> np.ndarray:
         """One call with the inputs written into ``bound``'s arrays; returns its logits array."""

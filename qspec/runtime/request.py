@@ -68,6 +68,7 @@ class SequenceState:
     prompt: list[int]
     params: SamplingParams
     slot: int = -1
+    prefilled: int = 0  # prompt tokens written to the KV slot
     position: int = 0
     last: int = -1
     output: list[int] = field(default_factory=list)
