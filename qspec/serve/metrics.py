@@ -104,6 +104,12 @@ class ServeMetrics:
         )
         self.decode_calls = Counter("qspec:decode_calls", "Target decode calls, by compiled K.", [*m, "k"], registry=r)
         self.prefill_calls = Counter("qspec:prefill_calls", "Target prefill calls.", m, registry=r)
+        self.mixed_calls = Counter(
+            "qspec:mixed_calls",
+            "Target decode calls that also wrote a prompt chunk (a request admitted while others decoded).",
+            m,
+            registry=r,
+        )
         self.name = model_name
         self._calls_seen: dict = {}
         for reason in FINISH_REASONS:  # every series exists from the start, at 0
@@ -122,6 +128,7 @@ class ServeMetrics:
             self.e2e,
         )
         per_model += (self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, self.prefill_calls)
+        per_model += (self.mixed_calls,)
         for metric in per_model:
             metric.labels(model_name)
 
@@ -152,8 +159,11 @@ class ServeMetrics:
         if reason != "abort":
             self.e2e.labels(self.name).observe(e2e_s)
 
-    def engine_calls(self, calls: dict) -> None:
-        """Move the call counters to the engine's running totals (``{"prefill": n, k: n, ...}``)."""
+    def engine_calls(self, calls: dict, mixed: int = 0) -> None:
+        """Move the call counters to the engine's running totals (``{"prefill": n, k: n, ...}``, and the
+        decode calls among them that carried prompt chunks)."""
+        if mixed > self._calls_seen.get("mixed", 0):
+            self.mixed_calls.labels(self.name).inc(mixed - self._calls_seen.get("mixed", 0))
         for key, total in calls.items():
             new = total - self._calls_seen.get(key, 0)
             if new:
@@ -163,4 +173,4 @@ class ServeMetrics:
                     else self.decode_calls.labels(self.name, str(key))
                 )
                 counter.inc(new)
-        self._calls_seen = dict(calls)
+        self._calls_seen = {**calls, "mixed": mixed}

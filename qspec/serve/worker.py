@@ -137,7 +137,7 @@ class EngineWorker:
         now = time.perf_counter()
         for delta in deltas:
             self._dispatch(delta, now)
-        self.metrics.engine_calls(self.engine.calls)
+        self.metrics.engine_calls(self.engine.calls, self.engine.mixed_calls)
         self.metrics.queue(running=self.engine.num_running, waiting=self.engine.num_waiting)
 
     def _dispatch(self, delta: RequestDelta, now: float) -> None:
