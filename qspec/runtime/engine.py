@@ -18,6 +18,10 @@ One decode step for the live sequences of the batch::
 Rows with fewer drafts than K, and slots with no live sequence, are padded with PAD_POSITION:
 the graph writes nothing a live token can see for them. Greedy output is token-for-token the
 output of plain greedy decoding of the same model.
+
+A request admitted while others decode (several KV slots, a model that takes wider calls: the ort
+backend's runtime graph) is prefilled a ``prefill_seq_len`` chunk per decode step, in the same call
+as the decoding rows (``verify(..., chunks)``): the running requests do not stop for its prompt.
 """
 
 from __future__ import annotations
