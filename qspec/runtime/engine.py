@@ -291,7 +291,7 @@ class Engine:
         logits = self.verify(k, [(seq, p.tokens) for seq, p in batch], chunks)  # [rows, k + 1, vocab]
         for seq, start, tokens in chunks:
             seq.prefilled = start + len(tokens)
-            if seq.prefilled == len(seq.prompt):  # its prompt is in: it decodes from the next step
+            if seq.prefill_done:  # it decodes from the next step
                 self._prefilling.remove(seq)
                 self._first_token(seq, logits[seq.slot, -1:])
         for seq, proposal in batch:
@@ -369,7 +369,7 @@ class Engine:
         """One scheduler iteration: admit and prefill waiting requests into free slots, one decode step
         for every live request, retire the finished. Returns what each request produced in it."""
         self._admit()
-        live = [seq for seq in self._slots if seq is not None and seq.prefilled == len(seq.prompt)]
+        live = [seq for seq in self._slots if seq is not None and seq.prefill_done]
         before = {seq.index: (seq.metrics.proposed, seq.metrics.accepted) for seq in live}
         if live:
             self.decode(live)
@@ -382,7 +382,7 @@ class Engine:
         decode call instead (the decoding rows do not wait for a whole prompt: :meth:`decode`)."""
         per_call = self.model.prefill.spec.batch_size if self.model.continuous_batching else self.num_slots
         slots = self._slots
-        decoding = any(seq is not None and seq.prefilled == len(seq.prompt) for seq in slots)
+        decoding = any(seq is not None and seq.prefill_done for seq in slots)
         if self._prefilling and not decoding:  # nobody left to ride along with: finish them in prefill calls
             group, self._prefilling = self._prefilling, []
             self.prefill(group)

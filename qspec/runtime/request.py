@@ -80,6 +80,11 @@ class SequenceState:
     new_text: str = ""
 
     @property
+    def prefill_done(self) -> bool:
+        """Its whole prompt is in the KV slot: it decodes."""
+        return self.prefilled == len(self.prompt)
+
+    @property
     def remaining(self) -> int:
         return self.params.max_new_tokens - len(self.output)
 
