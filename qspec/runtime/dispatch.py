@@ -144,10 +144,9 @@ def plan_by_cost(
     ]
     drafts.sort(key=lambda draft: (-draft[0], draft[1]))
     cover = pick_k(ks, max((depth for _, depth, _ in drafts), default=0))
-    plans = []  # (K, depths, expected tokens)
+    plans = [(pick_k(ks, 0), [0] * rows, float(rows))]  # (K, depths, expected tokens): no draft verified first
     for cap in (k for k in ks if k <= cover):
         depths, tokens, deepest = [0] * rows, float(rows), 0
-        plans.append((pick_k(ks, 0), list(depths), tokens))
         for gain, depth, r in drafts:
             if depth <= cap:
                 depths[r], tokens, deepest = depth, tokens + gain, max(deepest, depth)
