@@ -382,3 +382,44 @@ def test_micro_targets_against_the_floor_and_the_small_bucket():
     without_vendor = _micro_targets(MicroReport(copy_bandwidth_gb_s=1.0, packages=[package]))
     assert not any(t.target.startswith("K=4 call, bucket") for t in without_vendor)
     assert _micro_targets(None) == []
+
+
+def test_ceiling_replays_prompt_lookup_drafts_along_the_output():
+    """Each decode position gets (drafts on offer, accepted): the 1-gram [1] continues [2, 3, 4, 9], of
+    which the output [2, 3, 4, 7] takes 3; one token on, the 2-gram [1, 2] continues [3, 4, 9, 1] (2)."""
+    from qspec.bench.ceiling import accepted_depth, replay_drafts
+
+    assert accepted_depth([5, 6, 9], [1, 5, 6, 7], 1) == 2
+    steps = replay_drafts("pld", {"a": [5, 1, 2, 3, 4, 9]}, {"a": [1, 2, 3, 4, 7]}, 4)
+    assert steps == {"a": [(4, 3), (4, 2), (4, 1), (4, 0)]}
+
+
+def test_ceiling_oracle_takes_the_cheapest_path():
+    """The module docstring's example: K=0 10 ms, K=4 15 ms; drafts 3 deep at position 0, none after:
+    a 3-draft call (13.75 ms, linear between the Ks) and one K=0 call, 23.75 ms against 50."""
+    from qspec.bench.ceiling import call_ms, oracle_ms
+
+    price = {0: 10.0, 4: 15.0}
+    assert call_ms(price, 3) == 13.75 and call_ms(price, 4) == 15.0 and call_ms({0: 10, 4: 18}, 1) == 12.0
+    steps = [(4, 3), (4, 0), (4, 0), (4, 0), (4, 0)]
+    assert oracle_ms(steps, price, 4) == (23.75, 2)
+    assert oracle_ms(steps, price, 0) == (50.0, 5)  # K list [0]: no draft is verified
+    # drafts that would all be rejected never pay: the oracle is never slower than none
+    assert oracle_ms([(4, 0)] * 6, price, 4) == (60.0, 6)
+    # a shallower cap: 2 of the 3 accepted drafts, then K=0 calls for the last two positions
+    assert oracle_ms(steps, price, 2) == (12.5 + 10 + 10, 3)
+
+
+def test_report_has_the_speculation_ceiling(bench_run):
+    """Every batch-1 pld configuration gets a ceiling row over its format's none: the oracle may always
+    verify nothing, so the ceiling is at least 1; its positions are none's first-turn decode tokens."""
+    out, report, _ = bench_run
+    rows = {c.key: c for c in report.ceilings}
+    assert set(rows) == {"pld[4]@1", "pld[0,4]@1", "pld[0,4]-int4@1"}
+    for key, row in rows.items():
+        none = "none-int4@1" if "int4" in key else "none@1"
+        first_turns = [tokens for rid, tokens in report.outputs[none].items() if "/" not in rid]
+        assert row.positions == sum(len(tokens) - 1 for tokens in first_turns)
+        assert row.oracle_x_none >= 1.0 and row.oracle_calls <= row.positions
+        assert row.drafted_positions <= row.positions and row.measured_x_none > 0
+    assert "## Speculation ceiling (batch 1)" in (out / "report.md").read_text()

@@ -237,6 +237,47 @@ def _formats(report: BenchReport) -> list[str]:
     return lines + _table(header, rows)
 
 
+def _ceilings(report: BenchReport) -> list[str]:
+    if not report.ceilings:
+        return []
+    lines = [
+        "",
+        "## Speculation ceiling (batch 1)",
+        "",
+        "Each configuration's proposer replayed along `none`'s greedy output of its weight format; an oracle that "
+        "knows how many drafts each call would accept picks every call's depth, at the micro-benchmark's prices "
+        "per compiled K (linear in between). Ceiling: `none`'s decode time over the oracle's; measured: `none`'s "
+        "decode ms per token over the configuration's, first turns; captured: (measured - 1) / (ceiling - 1). The "
+        "prices are the micro-benchmark's (positions up to 255), not each call's own, so a dispatch can land a "
+        "little above its ceiling.",
+        "",
+    ]
+    rows = [
+        [
+            c.key,
+            c.weight_format,
+            c.positions,
+            c.drafted_positions,
+            c.oracle_calls,
+            _fmt(c.oracle_x_none, 3),
+            _fmt(c.measured_x_none, 3),
+            _fmt(c.captured),
+        ]
+        for c in report.ceilings
+    ]
+    header = [
+        "config@batch",
+        "weights",
+        "positions",
+        "with drafts",
+        "oracle calls",
+        "ceiling x none",
+        "measured x none",
+        "captured",
+    ]
+    return lines + _table(header, rows)
+
+
 def _memory(report: BenchReport) -> list[str]:
     memory = report.memory
     if not memory:
@@ -329,7 +370,8 @@ def _peers(report: BenchReport) -> list[str]:
 
 def render_markdown(report: BenchReport) -> str:
     """``report.md``: the tables of the report."""
-    lines = _header(report) + _equality(report) + _configs(report) + _formats(report) + _peers(report)
+    lines = _header(report) + _equality(report) + _configs(report) + _formats(report) + _ceilings(report)
+    lines += _peers(report)
     for batch in report.meta.options.batch_sizes:
         lines += _categories(report, batch)
     return "\n".join(lines + _micro(report) + _memory(report)) + "\n"

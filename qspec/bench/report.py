@@ -137,6 +137,21 @@ class MemoryProbe(ReportModel):
     specializations: int
 
 
+class CeilingRow(ReportModel):
+    """A speculative configuration at batch 1 against an oracle that dispatches its own drafts knowing
+    how many will be accepted (:mod:`qspec.bench.ceiling`)."""
+
+    key: str  # pld[0,1,2,4,8]-int4@1
+    weight_format: str
+    ks: list[int]
+    positions: int  # decode positions replayed (none's output tokens after the first)
+    drafted_positions: int  # of which the proposer offered drafts at
+    oracle_calls: int
+    oracle_x_none: float  # the ceiling: none's decode time over the oracle's, at micro-benchmark prices
+    measured_x_none: float  # none's decode ms per token over the configuration's (the same requests)
+    captured: float | None  # (measured - 1) / (ceiling - 1): the share of the possible gain taken
+
+
 class MemoryReport(ReportModel):
     """Every probe, and the peak RSS of the most specializations against the K=0-only package."""
 
@@ -249,6 +264,7 @@ class BenchReport(ReportModel):
     equality: Equality
     targets: list[Target]
     outputs: dict[str, dict[str, list[int]]]  # config key -> request id -> token ids
+    ceilings: list[CeilingRow] = []
 
     def config(self, key: str) -> ConfigSummary | None:
         """The summary of configuration ``key`` (``none@1``), None when it did not run."""

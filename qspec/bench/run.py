@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 import psutil
 
 from qspec.bench.analysis import Collected, contention_notes, equality_checks, summarize, with_ratios
+from qspec.bench.ceiling import ceilings
 from qspec.bench.machine import CpuMeter, copy_bandwidth, cpu_name, machine_versions, usable_cores
 from qspec.bench.memory import run_memory
 from qspec.bench.micro import micro_benchmark, prefill_sweep
@@ -234,6 +235,7 @@ class Measured:
     runner_info: dict[str, RunnerInfo]
     baseline_peaks: dict[str, float | None]  # backend -> peak RSS MB of its process
     skipped: list[Skipped]  # peers that could not start
+    first_turns: dict[str, list[int]]  # prompt id -> its first turn's token ids
 
 
 def _measure(plan: BenchPlan, packages: Packages, steps: Steps, laps: Laps) -> Measured:
@@ -278,7 +280,8 @@ def _measure(plan: BenchPlan, packages: Packages, steps: Steps, laps: Laps) -> M
         )
     laps.lap("memory_s")
     runner_info = {backend: i for backend, i in info.items() if i is not None}
-    return Measured(collected, micro, memory, runner_info, peaks, skipped)
+    prompts = {p.id: list(tokens) for p, tokens in zip(plan.prompts, first_turns)}
+    return Measured(collected, micro, memory, runner_info, peaks, skipped, prompts)
 
 
 def _peak_rss(config: RunConfig, measured: Measured) -> float | None:
@@ -326,6 +329,7 @@ def build_report(
         notes=notes,
         skipped=plan.peers.skipped + measured.skipped,
     )
+    outputs = {key: c.tokens() for key, c in collected.items()}
     return BenchReport(
         meta=meta,
         configs=summaries,
@@ -333,7 +337,8 @@ def build_report(
         memory=measured.memory,
         equality=equality_checks(collected),
         targets=evaluate_targets(summaries, measured.memory, measured.micro),
-        outputs={key: c.tokens() for key, c in collected.items()},
+        outputs=outputs,
+        ceilings=ceilings(collected, measured.first_turns, measured.micro),
     )
 
 
