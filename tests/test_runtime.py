@@ -370,17 +370,18 @@ def test_compute_context_buckets_keep_greedy_output(model, tmp_path, reference, 
             assert any(first < 16 <= last for _, _, first, last in decode), "a draft must cross a bucket edge"
 
 
-def test_auto_dispatch_covers_at_batch_one_and_costs_above(packages):
-    """`auto` is `cost` for greedy steps with several slots (and on int8/int4 packages, test_weight_formats);
-    `cover` on one fp32 slot (a draft streams no more weights), on a graph that pads every row to K + 1,
-    or when one samples."""
+def test_auto_dispatch_costs_greedy_steps_on_live_token_graphs(packages):
+    """`auto` is `cost` for greedy steps on a graph that runs live tokens only (one fp32 slot included:
+    a K=8 call there costs 1.5x a K=0 call) and with several slots; `cover` on a one-slot graph that
+    pads every row to K + 1 (its drafts are free up to the K it runs), or when one samples."""
     from types import SimpleNamespace
 
     from qspec.runtime.backend import load_model
 
     greedy, sampled = SimpleNamespace(params=SamplingParams()), SimpleNamespace(params=SamplingParams(temperature=0.7))
     one_slot = Engine(packages["0,4"], method="pld")  # fp32, one slot: rows trimmed to their live tokens
-    assert one_slot.model.packs_live_tokens and one_slot.dispatch == "cover"
+    assert one_slot.model.packs_live_tokens and one_slot.dispatch == "auto"
+    assert one_slot.dispatch_for([greedy]) == "cost" and one_slot.dispatch_for([sampled]) == "cover"
     padded = load_model(packages["0,4"], vendor_graph=True)  # model.onnx pads in every format
     assert not padded.packs_live_tokens and Engine(packages["0,4"], method="pld", model=padded).dispatch == "cover"
     engine = Engine(packages["cb"], method="pld")

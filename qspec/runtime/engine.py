@@ -103,13 +103,13 @@ class Engine:
         ``num_speculative_tokens`` restricts dispatch to a subset of the compiled Ks (default: all).
         ``dispatch``: ``cover`` runs the smallest K covering the longest proposal; ``cost`` the K
         with the most expected tokens per ms (see :mod:`qspec.runtime.dispatch`); ``auto`` (default)
-        is ``cost`` for greedy steps on a graph that runs live tokens only (the ort backend's int8/int4
-        graphs and every graph with several KV slots: a draft costs what it is, and cutting a row's
-        drafts to the depth that pays took int4 ``pld`` [0,1,2,4,8] at batch 1 from 0.90x to 1.15x
-        ``none``) or on a package with several KV slots, where every call pays for all of them at K + 1
-        tokens (measured: batch-4 cover 0.71x none, cost 1.04x), and ``cover`` otherwise: on one slot
-        of a graph that pads, and whenever one samples, since ``cost`` depends on measured call times
-        and a seeded sampled request must give the same tokens every run.
+        is ``cost`` for greedy steps on a graph that runs live tokens only (the ort backend's runtime
+        graphs: a draft costs what it is, and cutting a row's drafts to the depth that pays took int4
+        ``pld`` [0,1,2,4,8] at batch 1 from 0.90x to 1.15x ``none``, fp32 from 1.21x to 1.32x) or on a
+        package with several KV slots, where every call pays for all of them at K + 1 tokens
+        (measured: batch-4 cover 0.71x none, cost 1.04x), and ``cover`` otherwise: on one slot of a
+        graph that pads, and whenever one samples, since ``cost`` depends on measured call times and a
+        seeded sampled request must give the same tokens every run.
         ``max_batch_size`` caps the sequences in flight (default: every KV slot of the package).
         ``backend``: where the package runs, ``ort`` (ONNX Runtime, CPU) or ``qaic`` (its QPC on Cloud
         AI 100, :mod:`qspec.runtime.qaic`); the engine is the same on both.
@@ -144,12 +144,12 @@ class Engine:
         if dispatch not in DISPATCH_MODES:
             raise ConfigError(f"dispatch {dispatch!r}: use {', '.join(DISPATCH_MODES)}")
         # auto prices calls where a verified draft costs: several slots (the last request alone would
-        # otherwise pay every row) or int8/int4 weights (a live token ~15 % of a call). fp32 at one slot
-        # streams its weights and a draft is almost free there: cover measured ahead (pld, suffix [0,4]
-        # and [0,1,2,4,8]: 1.26-1.35x none with cover, 1.16-1.23x with cost).
-        one_row = self.num_slots == 1 and (
-            not self.model.packs_live_tokens or self.model.manifest.weight_format == "fp32"
-        )
+        # otherwise pay every row) or a graph that runs live tokens only (a draft costs what its tokens
+        # cost, also at fp32: a K=8 call is 1.5x a K=0 call). Measured on SmolLM2 fp32 at one slot, pld,
+        # 16 MT-bench prompts, interleaved: [0,1,2,4,8] 1.32x none with cost, 1.21x with cover (which
+        # sent every 1-gram match 8 drafts deep); [0,4] 1.32x and 1.30x. A padded graph (every row pays
+        # K + 1 tokens) at one slot keeps cover: its drafts are free up to the K it runs.
+        one_row = self.num_slots == 1 and not self.model.packs_live_tokens
         self.dispatch = dispatch if not (dispatch == "auto" and one_row) else "cover"
         self.stats = AcceptanceStats(self.k_max)
         self._unverified = 0  # cost dispatch: steps since drafts were last verified (EXPLORE_EVERY)
