@@ -96,8 +96,10 @@ def test_greedy_draft_equals_plain_greedy(packages, cb):
     """
     target, draft = (packages["target_cb"], packages["draft_b3"]) if cb else (packages["target"], packages["draft"])
     plain, _, _ = generate(target, "none")
-    drafted, _, engine = generate(target, "draft", draft_package=draft)
+    drafted, _, _ = generate(target, "draft", draft_package=draft)  # the default dispatch
     assert drafted == plain
+    covered, _, engine = generate(target, "draft", draft_package=draft, dispatch="cover")  # every draft verified
+    assert covered == plain
     assert engine.last_metrics.proposed > 0
 
 
@@ -131,7 +133,8 @@ def test_drafting_up_to_the_context_end(packages, cb):
     prompts = [list(range(3, 3 + CTX - 9)), list(range(100, 100 + CTX - 12))]
     params = [SamplingParams(max_new_tokens=40, ignore_eos=True)] * 2
     plain, outputs, _ = generate(target, "none", prompts, params)
-    drafted, _, engine = generate(target, "draft", prompts, params, draft_package=same)
+    # cover: every draft verified, up to the cut (the default may price a tiny model's drafts out)
+    drafted, _, engine = generate(target, "draft", prompts, params, draft_package=same, dispatch="cover")
     assert drafted == plain
     assert [o.finish_reason for o in outputs] == ["length", "length"]
     assert [len(p) + len(t) for p, t in zip(prompts, plain)] == [CTX + 1, CTX + 1]  # the last token has no slot

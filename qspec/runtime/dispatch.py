@@ -70,39 +70,41 @@ def restrict_ks(compiled: Sequence[int], requested: Sequence[int] | str | None) 
     return subset
 
 
-def measure_costs(model, ks: Sequence[int], repeats: int) -> dict[int, float]:
-    """Median ms of a call of each K's decode specialization on padding; ``repeats=0``: K + 1 (tokens per call)."""
-    costs = {}
-    for k in ks:
-        bound = model.decode[k]
-        times = []
-        for _ in range(repeats):
+def _interleaved_ms(model, calls: Sequence[tuple[object, int | None]], repeats: int) -> list[float]:
+    """Median ms of each ``(binding, live tokens a row or None: padding)`` call over ``repeats`` rounds,
+    one call of each per round: a slow stretch of a shared machine lands on every call alike (three calls
+    of each K in turn once priced an int4 K=0 call anywhere from 5.3 to 7.7 ms between engines)."""
+    times: list[list[float]] = [[] for _ in calls]
+    for _ in range(repeats):
+        for (bound, live), took in zip(calls, times):
+            if live is not None:
+                bound.fill_live(live)
             begin = time.perf_counter()
             model.run(bound)
-            times.append((time.perf_counter() - begin) * 1000)
-        costs[k] = float(np.median(times)) if times else float(k + 1)
-    return costs
+            took.append((time.perf_counter() - begin) * 1000)
+    for bound, live in calls:
+        if live is not None:
+            bound.reset()
+    return [float(np.median(took)) for took in times]
+
+
+def measure_costs(model, ks: Sequence[int], repeats: int) -> dict[int, float]:
+    """Median ms of a call of each K's decode specialization on padding; ``repeats=0``: K + 1 (tokens per call)."""
+    if not repeats:
+        return {k: float(k + 1) for k in ks}
+    return dict(zip(ks, _interleaved_ms(model, [(model.decode[k], None) for k in ks], repeats)))
 
 
 def measure_live_costs(model, ks: Sequence[int], repeats: int) -> CallCosts:
     """Prices for a graph whose MatMuls run on live tokens only: each K's call with every row live
     (``K + 1`` tokens a row), and the largest K's with one live token a row, which gives the price of a
     live token. Writes the first slots of every KV row (before any request is in flight)."""
-
-    def median_ms(bound, tokens_per_row: int) -> float:
-        bound.fill_live(tokens_per_row)
-        times = []
-        for _ in range(repeats):
-            begin = time.perf_counter()
-            model.run(bound)
-            times.append((time.perf_counter() - begin) * 1000)
-        bound.reset()
-        return float(np.median(times))
-
-    full = {k: median_ms(model.decode[k], k + 1) for k in ks}
     top = ks[-1]
+    calls = [(model.decode[k], k + 1) for k in ks] + [(model.decode[top], 1)]
+    *measured, one_live = _interleaved_ms(model, calls, repeats)
+    full = dict(zip(ks, measured))
     rows = model.decode[top].spec.batch_size
-    per_token = max(0.0, (full[top] - median_ms(model.decode[top], 1)) / (rows * top)) if top else 0.0
+    per_token = max(0.0, (full[top] - one_live) / (rows * top)) if top else 0.0
     return CallCosts(full, per_token=per_token, measured_tokens={k: rows * (k + 1) for k in ks})
 
 

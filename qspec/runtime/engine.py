@@ -164,7 +164,7 @@ class Engine:
         self._next_id = 0
         self.call_ms = self.warmup()
 
-    def warmup(self, repeats: int = 3) -> Mapping[int, float]:
+    def warmup(self, repeats: int = 7) -> Mapping[int, float]:
         """Run every specialization on padding (the first request pays no set-up); returns each decode K's
         price for ``cost`` dispatch: measured, then following the engine's calls (:class:`CallCosts`),
         when it may dispatch by cost; else (and for ``none``, which plans nothing) K + 1."""
