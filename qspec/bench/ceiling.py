@@ -4,12 +4,15 @@ own drafts if it knew, before each call, how many of them the model will accept.
 The replay (:func:`replay_drafts`): greedy decoding emits the same tokens whatever is speculated, so
 along ``none``'s output the configuration's proposer drafts, at every position, what it would draft
 there, and each draft counts as accepted up to its first token that differs from the output. The
-oracle (:func:`oracle_ms`) then walks the output choosing at every step how many drafts to verify,
-paying the micro-benchmark's price of the smallest compiled K that holds them, so that the whole
-output takes the least time: a shortest path over positions. Example, Ks ``[0, 4]`` at 10 / 15 ms,
-an output of 5 decode tokens whose drafts would be accepted ``[3, 0, 0, 0, 0]`` tokens deep: verifying
-3 drafts at position 0 (a K=4 call cut to 4 live tokens, 13.75 ms) reaches position 4 (3 accepted +
-the bonus token), one K=0 call finishes: 23.75 ms against ``none``'s 5 x 10 = 50 ms, a ceiling of 2.1x.
+oracle (:func:`oracle_ms`) then walks the output choosing at every step how many drafts to verify (up
+to the configuration's largest K), paying what a call with that many drafts costs (the micro-benchmark's
+prices of the package's compiled Ks, linear in between: the runtime graph runs a row's live tokens
+only), so that the whole output takes the least time: a shortest path over positions.
+
+Example, Ks ``[0, 4]`` at 10 / 15 ms, an output of 5 decode tokens whose drafts would be accepted
+``[3, 0, 0, 0, 0]`` tokens deep: verifying 3 drafts at position 0 (a K=4 call cut to 4 live tokens,
+13.75 ms) reaches position 4 (3 accepted + the bonus token), one K=0 call finishes: 23.75 ms against
+``none``'s 5 x 10 = 50 ms, a ceiling of 2.1x.
 
 Its speed-up over ``none`` is the most any dispatch of those drafts can reach on that package; the
 configuration's measured decode speed-up (``none``'s time per output token over its own) against it
@@ -19,8 +22,9 @@ drafts, not the dispatch or the graph, are what stands in the way.
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Mapping, Sequence
+
+import numpy as np
 
 from qspec.bench.analysis import Collected
 from qspec.bench.plan import none_config
@@ -87,11 +91,7 @@ def call_ms(price: Mapping[int, float], depth: int) -> float:
     runtime graph runs a row's live tokens only, so a draft shorter than its K costs what its tokens
     cost). ``call_ms({0: 10, 4: 18}, 1) == 12.0``."""
     ks = sorted(price)
-    i = bisect.bisect_left(ks, depth)
-    if ks[i] == depth or i == 0:
-        return price[ks[i]]
-    low, high = ks[i - 1], ks[i]
-    return price[low] + (price[high] - price[low]) * (depth - low) / (high - low)
+    return float(np.interp(depth, ks, [price[k] for k in ks]))
 
 
 def decode_prices(micro: MicroReport | None, weight_format: str) -> dict[int, float] | None:

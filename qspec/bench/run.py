@@ -329,7 +329,6 @@ def build_report(
         notes=notes,
         skipped=plan.peers.skipped + measured.skipped,
     )
-    outputs = {key: c.tokens() for key, c in collected.items()}
     return BenchReport(
         meta=meta,
         configs=summaries,
@@ -337,7 +336,7 @@ def build_report(
         memory=measured.memory,
         equality=equality_checks(collected),
         targets=evaluate_targets(summaries, measured.memory, measured.micro),
-        outputs=outputs,
+        outputs={key: c.tokens() for key, c in collected.items()},
         ceilings=ceilings(collected, measured.first_turns, measured.micro),
     )
 
