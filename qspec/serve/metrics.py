@@ -162,15 +162,11 @@ class ServeMetrics:
     def engine_calls(self, calls: dict, mixed: int = 0) -> None:
         """Move the call counters to the engine's running totals (``{"prefill": n, k: n, ...}``, and the
         decode calls among them that carried prompt chunks)."""
-        if mixed > self._calls_seen.get("mixed", 0):
-            self.mixed_calls.labels(self.name).inc(mixed - self._calls_seen.get("mixed", 0))
-        for key, total in calls.items():
+        totals = {**calls, "mixed": mixed}
+        own = {"prefill": self.prefill_calls, "mixed": self.mixed_calls}  # every other key is a K
+        for key, total in totals.items():
             new = total - self._calls_seen.get(key, 0)
             if new:
-                counter = (
-                    self.prefill_calls.labels(self.name)
-                    if key == "prefill"
-                    else self.decode_calls.labels(self.name, str(key))
-                )
+                counter = own[key].labels(self.name) if key in own else self.decode_calls.labels(self.name, str(key))
                 counter.inc(new)
-        self._calls_seen = {**calls, "mixed": mixed}
+        self._calls_seen = totals
