@@ -29,10 +29,19 @@ def bench(
         Path, typer.Option("--output", "-o", help="Folder for report.json, report.md, throughput.png.")
     ] = Path("bench-out"),
     full: Annotated[
-        bool, typer.Option("--full", help="All 80 MT-bench prompts, batch sizes 1,2,4,8 (quick: 2 per category, 1,4).")
+        bool,
+        typer.Option(
+            "--full", help="All 80 MT-bench prompts, batch sizes 1,2,4,8 (quick: 2 per category at batch 1, 80 at 4)."
+        ),
     ] = False,
     prompts: Annotated[Optional[Path], typer.Option(help="JSONL of prompts (default: MT-bench).")] = None,
     per_category: Annotated[Optional[int], typer.Option(help="First N prompts of each category; 0 = all.")] = None,
+    batch_per_category: Annotated[
+        Optional[int],
+        typer.Option(
+            help="At batch > 1: first N prompts of each category (quick default 10: all of MT-bench); 0 = all."
+        ),
+    ] = None,
     turns: Annotated[
         Optional[int], typer.Option(help="1, or 2: MT-bench follow-ups with the first answer fed back.")
     ] = None,
@@ -87,6 +96,7 @@ def bench(
             full=full,
             prompts=prompts,
             per_category=per_category,
+            batch_per_category=batch_per_category,
             turns=turns,
             max_new_tokens=max_new_tokens,
             batch_sizes=batch_sizes,

@@ -268,6 +268,57 @@ def test_rounds_and_rotation():
     assert rotated(["a", "b", "c"], 4) == ["b", "c", "a"]
 
 
+def test_batch_configurations_run_more_prompts_in_one_run_per_round():
+    """At batch > 1 a round's share of the batch prompts goes in one run (a run drains at its end: rounds of
+    8 requests over 4 slots made that a large share of every run); batch 1 keeps its rounds and prompts."""
+    from types import SimpleNamespace
+
+    from qspec.bench.analysis import Collected
+    from qspec.bench.plan import Steps
+    from qspec.bench.run import even_rounds, run_phase
+    from qspec.bench.runners import RequestResult, RoundResult
+    from qspec.runtime.metrics import RequestMetrics
+
+    assert [list(r) for r in even_rounds(5, 4)] == [[0], [1], [2], [3, 4]]
+    assert [len(r) for r in even_rounds(80, 2)] == [40, 40]
+    options = quick_options(methods="pld", k_lists="0,4", baselines=False, peers=False, round_size=2)
+    configs = [c for c in plan_configs(options) if c.weight_format == "fp32"]
+    seen = []
+
+    class Recorder:
+        def run(self, config, ids, max_new_tokens):
+            seen.append((config.key, [i[0] for i in ids]))
+            return RoundResult([RequestResult([1], "", RequestMetrics(arrival=0.0)) for _ in ids], 1.0)
+
+    requests = [(str(i), "c", [i]) for i in range(4)]  # batch 1: 4 prompts, rounds of 2
+    batch_requests = [(str(i), "c", [i]) for i in range(10)]  # batch > 1: those and 6 more
+    collected = {c.key: Collected(c) for c in configs}
+    plan = SimpleNamespace(options=options, configs=configs)
+    run_phase(plan, {c.key: Recorder() for c in configs}, requests, collected, 1, Steps(None), batch_requests)
+    runs = {}
+    for key, ids in seen:
+        runs.setdefault(key, []).append(ids)
+    assert runs["none@1"] == runs["pld[0,4]@1"] == [[0, 1], [2, 3]]
+    assert runs["none@4"] == runs["pld[0,4]@4"] == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
+    assert len(collected["none@4"].requests) == 10 and len(collected["none@1"].requests) == 4
+
+
+def test_plan_takes_more_prompts_at_batch_above_one(tiny_model, prompts_file):
+    """``batch_per_category`` picks the first N of each category for batch > 1 (never fewer than batch 1's)."""
+    from qspec.bench.run import make_plan
+
+    def ids(**options):
+        plan = make_plan(
+            str(tiny_model("llama")),
+            quick_options(prompts=prompts_file, methods="pld", k_lists="0,4", peers=False, baselines=False, **options),
+        )
+        return [p.id for p in plan.prompts], [p.id for p in plan.batch_prompts]
+
+    assert ids(per_category=1) == (["1", "3"], ["1", "2", "3", "4"])  # default 10 a category: all of these
+    assert ids(per_category=2, batch_per_category=1) == (["1", "2", "3", "4"],) * 2
+    assert ids(per_category=1, batch_sizes="1") == (["1", "3"],) * 2  # no batch > 1: nothing more to read
+
+
 def test_plan_and_prompts(prompts_file):
     """Quick preset: fp32 none plus method x K list per batch size, int4 none and variable K at batch 1, baselines."""
     configs = plan_configs(quick_options(methods="pld", k_lists="4;0,4"))

@@ -37,10 +37,16 @@ def _header(report: BenchReport) -> list[str]:
     named.pop("onnxruntime", None)  # already said, from the engine's process
     versions = "".join(f", {name} {version}" for name, version in named.items())
     phases = ", ".join(f"{k.removesuffix('_s').replace('_', ' ')} {v} s" for k, v in meta.phases.items())
+    at_batch = ""
+    if meta.batch_prompts and meta.batch_prompts != meta.prompts:
+        at_batch = (
+            f", at batch > 1 the first turns of {meta.batch_prompts} prompts (a round's share in one "
+            "continuous-batching run)"
+        )
     lines = [
         "# qspec bench",
         "",
-        f"Model `{meta.model}`; {meta.prompts} prompts ({', '.join(meta.categories)}), "
+        f"Model `{meta.model}`; {meta.prompts} prompts ({', '.join(meta.categories)}){at_batch}, "
         f"turns {options.turns}, max_new_tokens {options.max_new_tokens}, ctx_len {options.ctx_len}, "
         f"greedy. Started {meta.started}, {meta.wall_s} s in all ({phases}).",
         f"Machine: {machine.cpu}, {machine.cores} cores, {machine.memory_gb} GB; onnxruntime "

@@ -250,6 +250,7 @@ class Meta(ReportModel):
     options: BenchOptions
     prompts: int
     categories: list[str]
+    batch_prompts: int | None = None  # first turns at batch > 1 (more than ``prompts``: fewer runs drain)
     machine: MachineInfo
     runners: dict[str, RunnerInfo]  # backend name -> info, for every backend but qspec
     notes: list[str]

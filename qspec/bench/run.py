@@ -42,6 +42,7 @@ class BenchPlan:
     configs: list[RunConfig]
     prompts: list[PromptRecord]
     peers: PeerPlan
+    batch_prompts: list[PromptRecord]  # the first turns configurations at batch > 1 run (``prompts`` and more)
 
     @property
     def options(self) -> BenchOptions:
@@ -54,10 +55,15 @@ def make_plan(model: str, options: BenchOptions) -> BenchPlan:
     options = resolved.options
     peers = plan_peers(resolved.source, options)
     configs = plan_configs(options, draft_slots=resolved.draft_slots) + peers.configs
-    prompts = load_prompts(options.prompts or default_prompts_path(), per_category=options.per_category)
+    path = options.prompts or default_prompts_path()
+    prompts = load_prompts(path, per_category=options.per_category)
     if options.turns == 2 and not any(len(p.turns) >= 2 for p in prompts):
         raise ConfigError('turns=2 needs prompts with two turns (MT-bench\'s "turns"); these have one')
-    return BenchPlan(model, resolved, configs, prompts, peers)
+    batch_prompts = prompts
+    if any(c.batch > 1 for c in configs) and options.per_category is not None:
+        wanted = options.batch_per_category
+        batch_prompts = load_prompts(path, per_category=None if wanted is None else max(wanted, options.per_category))
+    return BenchPlan(model, resolved, configs, prompts, peers, batch_prompts)
 
 
 def round_count(plan: BenchPlan) -> int:
@@ -167,6 +173,13 @@ def run_micro(
     )
 
 
+def even_rounds(count: int, parts: int) -> list[range]:
+    """Indices ``0..count-1`` in ``parts`` consecutive rounds whose sizes differ by at most one:
+    ``even_rounds(80, 2) == [0:40, 40:80]``, ``even_rounds(5, 4) == [0:1, 1:2, 2:3, 3:5]``."""
+    edges = [count * i // parts for i in range(parts + 1)]
+    return [range(a, b) for a, b in zip(edges, edges[1:])]
+
+
 def run_phase(
     plan: BenchPlan,
     runners: dict[str, Runner],
@@ -174,13 +187,20 @@ def run_phase(
     collected: dict[str, Collected],
     turn: int,
     steps: Steps,
+    batch_requests: list[Request] | None = None,
 ) -> None:
-    """Every configuration on every round of ``requests``, the order rotated by one each round."""
+    """Every configuration on every round of ``requests``, the order rotated by one each round; the
+    configurations at batch > 1 run the same round's share of ``batch_requests`` (default: ``requests``),
+    the whole share in one run."""
     max_new_tokens = plan.options.max_new_tokens
-    for number, indices in enumerate(rounds(len(requests), plan.options.round_size)):
-        batch = [requests[i] for i in indices]
-        ids = [r[2] for r in batch]
+    by_round = rounds(len(requests), plan.options.round_size)
+    batch_requests = requests if batch_requests is None else batch_requests
+    by_batch_round = even_rounds(len(batch_requests), len(by_round))
+    for number, indices in enumerate(by_round):
         for config in rotated(plan.configs, number):
+            share = by_batch_round[number] if config.batch > 1 else indices
+            batch = [(batch_requests if config.batch > 1 else requests)[i] for i in share]
+            ids = [r[2] for r in batch]
             steps.say(f"turn {turn}, round {number + 1}: {config.key}")
             meter = CpuMeter()
             result = runners[config.key].run(config, ids, max_new_tokens)
@@ -196,8 +216,12 @@ def run_phase(
 def run_timed(plan: BenchPlan, runners: dict[str, Runner], encode, steps: Steps) -> dict[str, Collected]:
     """Turn 1 on every prompt; with ``turns=2`` the follow-ups, with ``none``'s first answer fed back."""
     collected = {c.key: Collected(c) for c in plan.configs}
-    first = [(p.id, p.category, encode([{"role": "user", "content": p.turns[0]}])) for p in plan.prompts]
-    run_phase(plan, runners, first, collected, 1, steps)
+
+    def first_turn(p: PromptRecord) -> Request:
+        return p.id, p.category, encode([{"role": "user", "content": p.turns[0]}])
+
+    first = [first_turn(p) for p in plan.prompts]
+    run_phase(plan, runners, first, collected, 1, steps, [first_turn(p) for p in plan.batch_prompts])
     if plan.options.turns == 2:
         answers = collected[none_config(plan.options.primary_format, plan.options.batch_sizes[0]).key].requests
         second = []
@@ -323,6 +347,7 @@ def build_report(
         phases=phases,
         options=plan.options,
         prompts=len(plan.prompts),
+        batch_prompts=len(plan.batch_prompts),
         categories=sorted({p.category for p in plan.prompts}),
         machine=machine_info(other_cpu),
         runners=measured.runner_info,
