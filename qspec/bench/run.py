@@ -1,7 +1,8 @@
 """The run: plan, compile, load the runners, micro-benchmark, interleaved timed rounds, memory, report.
 
 Every round runs every configuration, the order rotated by one each round, so machine drift hits all
-of them alike; every configuration gets the same token ids. Each configuration-round also records
+of them alike; configurations at one batch size get the same token ids (at batch > 1 more prompts than
+at batch 1, a round's share in one run: ``BenchOptions.batch_per_category``). Each configuration-round also records
 the share of the CPU other processes took (:class:`CpuMeter`).
 """
 
