@@ -199,8 +199,8 @@ def run_phase(
     by_batch_round = even_rounds(len(batch_requests), len(by_round))
     for number, indices in enumerate(by_round):
         for config in rotated(plan.configs, number):
-            share = by_batch_round[number] if config.batch > 1 else indices
-            batch = [(batch_requests if config.batch > 1 else requests)[i] for i in share]
+            source, share = (batch_requests, by_batch_round[number]) if config.batch > 1 else (requests, indices)
+            batch = [source[i] for i in share]
             ids = [r[2] for r in batch]
             steps.say(f"turn {turn}, round {number + 1}: {config.key}")
             meter = CpuMeter()
@@ -217,12 +217,12 @@ def run_phase(
 def run_timed(plan: BenchPlan, runners: dict[str, Runner], encode, steps: Steps) -> dict[str, Collected]:
     """Turn 1 on every prompt; with ``turns=2`` the follow-ups, with ``none``'s first answer fed back."""
     collected = {c.key: Collected(c) for c in plan.configs}
-
-    def first_turn(p: PromptRecord) -> Request:
-        return p.id, p.category, encode([{"role": "user", "content": p.turns[0]}])
-
-    first = [first_turn(p) for p in plan.prompts]
-    run_phase(plan, runners, first, collected, 1, steps, [first_turn(p) for p in plan.batch_prompts])
+    # batch_prompts holds every prompt of prompts (the same file's first N a category, N no smaller)
+    first_turns = {
+        p.id: (p.id, p.category, encode([{"role": "user", "content": p.turns[0]}])) for p in plan.batch_prompts
+    }
+    first = [first_turns[p.id] for p in plan.prompts]
+    run_phase(plan, runners, first, collected, 1, steps, list(first_turns.values()))
     if plan.options.turns == 2:
         answers = collected[none_config(plan.options.primary_format, plan.options.batch_sizes[0]).key].requests
         second = []
