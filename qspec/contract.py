@@ -17,6 +17,14 @@ COMP_CTX_LENGTHS = "comp_ctx_lengths"  # int64 [comp_ctx_lengths]; its length bo
 # Graph output.
 LOGITS = "logits"  # float [batch_size, num_logits_to_keep or 1, vocab]
 
+# Hidden-state drafting (EAGLE, Medusa). A target compiled for a draft head has one more output:
+HIDDEN_STATES = "hidden_states"  # float [batch_size, seq_len, hidden]: the final-norm state the LM head reads
+# A draft head's graph takes HIDDEN_STATES as an input (EAGLE: with input_ids, position_ids and its own KV;
+# Medusa: [batch_size, 1, hidden] alone) and returns LOGITS over its draft vocabulary
+# ([batch_size, 1, draft_vocab] for EAGLE, [batch_size, num_heads, draft_vocab] for Medusa); an EAGLE head
+# also returns the feature it predicts, which the next chained call takes as its HIDDEN_STATES.
+HIDDEN_STATES_OUT = "hidden_states_out"  # float [batch_size, 1, hidden]
+
 RETAINED_STATE_SUFFIX = "_RetainedState"
 
 # Symbolic dimension names: exactly the keys of a specialization.
@@ -65,6 +73,6 @@ def input_names(
     return names + kv_names(num_layers)
 
 
-def output_names(num_layers: int) -> list[str]:
-    """Graph output names, in order: logits, then every KV buffer's retained state."""
-    return [LOGITS] + [retained(name) for name in kv_names(num_layers)]
+def output_names(num_layers: int, *, hidden_states: bool = False) -> list[str]:
+    """Graph output names, in order: logits, [hidden_states], then every KV buffer's retained state."""
+    return [LOGITS] + ([HIDDEN_STATES] if hidden_states else []) + [retained(name) for name in kv_names(num_layers)]
