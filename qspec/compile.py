@@ -55,6 +55,7 @@ class CompileOptions(FrozenModel):
     qaic: QaicOptions = Field(default_factory=QaicOptions)
     num_layers: int | None = Field(default=None, ge=1)  # keep the first N layers (a draft model)
     weight_format: WeightFormat = "fp32"  # MatMul weights of the runtime graph (backend ort)
+    hidden_states: bool = False  # the graphs also return the final-norm hidden states (draft heads read them)
 
     @model_validator(mode="after")
     def _vendor_compresses_its_own_weights(self) -> CompileOptions:
@@ -135,6 +136,7 @@ def compile_package(
         speculative=spec_config.speculative,
         comp_ctx_lengths=spec_config.comp_ctx_lengths,
         num_layers=options.num_layers,
+        hidden_states=options.hidden_states,
     )
     if options.backend == "ort":  # while the export runs in its own process: the next step's imports (~3 s)
         threading.Thread(target=_import_runtime_graph_tools, daemon=True).start()
@@ -152,6 +154,7 @@ def compile_package(
         speculative=export_options.speculative,
         comp_ctx_lengths=export_options.comp_ctx_lengths,
         truncated_layers=options.num_layers,
+        hidden_states=options.hidden_states,
     )
 
     runtime_graph = None
