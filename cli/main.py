@@ -61,6 +61,9 @@ def compile(
     weight_format: Annotated[
         str, typer.Option(help="ort: MatMul weights fp32, int8 or int4 (weight-only, MatMulNBits).")
     ] = "fp32",
+    hidden_states: Annotated[
+        bool, typer.Option(help="The graphs also return the final-norm hidden states (what a draft head reads).")
+    ] = False,
     aic_hw_version: Annotated[str, typer.Option(help="qaic: -aic-hw-version.")] = "ai100",
     num_cores: Annotated[int, typer.Option(help="qaic: -aic-num-cores.")] = 16,
     num_devices: Annotated[int, typer.Option(help="qaic: devices (>1 writes a partition config).")] = 1,
@@ -101,6 +104,7 @@ def compile(
             ),
             num_layers=num_layers,
             weight_format=weight_format,
+            hidden_states=hidden_states,
         )
         with status("compiling") as say:
             folder, manifest, reused = compile_package(
