@@ -150,7 +150,8 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 class KVExplicitLM(nn.Module):
-    """``forward(input_ids, position_ids, [batch_index], [num_logits_to_keep], *kv) -> logits, [hidden_states], *kv'``."""
+    """``forward(input_ids, position_ids, [batch_index], [num_logits_to_keep], *kv)``
+    ``-> logits, [hidden_states], *kv'``."""
 
     def __init__(
         self,

@@ -140,11 +140,9 @@ def collect_features(package: Path, records: list[dict], output: Path, *, progre
     for n, record in enumerate(records):
         sequence = record["prompt_ids"] + record["answer_ids"]
         parts: list[np.ndarray] = []
+        keep = parts.append
         run_prefill(
-            model,
-            [PrefillRow(0, sequence)],
-            lambda i, logits: None,
-            lambda i, start, hidden: parts.append(hidden.astype(np.float16)),
+            model, [PrefillRow(0, sequence)], lambda i, logits: None, lambda i, s, h: keep(h.astype(np.float16))
         )
         rows = np.concatenate(parts)
         assert len(rows) == len(sequence), f"{len(rows)} hidden rows for {len(sequence)} tokens"
