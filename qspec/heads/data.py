@@ -125,11 +125,20 @@ def generate_answers(
     return done
 
 
+def hidden_rows(model, sequence: list[int]) -> np.ndarray:
+    """``[len(sequence), hidden]`` fp16: the final-norm hidden state of every token of ``sequence``, prefilled
+    into slot 0 of ``model`` (a loaded package with the ``hidden_states`` output)."""
+    from qspec.runtime.prefill import PrefillRow, run_prefill
+
+    parts: list[np.ndarray] = []
+    run_prefill(model, [PrefillRow(0, sequence)], lambda i, logits: None, lambda i, s, h: parts.append(h.copy()))
+    return np.concatenate(parts).astype(np.float16)
+
+
 def collect_features(package: Path, records: list[dict], output: Path, *, progress: Progress | None = None) -> Path:
     """Hidden states of every record's prompt and answer from ``package`` (compiled with ``--hidden-states``),
     written to ``output`` (``.npz``)."""
     from qspec.runtime.backend import load_model
-    from qspec.runtime.prefill import PrefillRow, run_prefill
 
     say = progress or (lambda message: None)
     model = load_model(package)
@@ -139,12 +148,7 @@ def collect_features(package: Path, records: list[dict], output: Path, *, progre
     features, tokens, starts, answer_starts = [], [], [0], []
     for n, record in enumerate(records):
         sequence = record["prompt_ids"] + record["answer_ids"]
-        parts: list[np.ndarray] = []
-        keep = parts.append
-        run_prefill(
-            model, [PrefillRow(0, sequence)], lambda i, logits: None, lambda i, s, h: keep(h.astype(np.float16))
-        )
-        rows = np.concatenate(parts)
+        rows = hidden_rows(model, sequence)
         assert len(rows) == len(sequence), f"{len(rows)} hidden rows for {len(sequence)} tokens"
         features.append(rows)
         tokens.append(np.asarray(sequence, np.int32))
