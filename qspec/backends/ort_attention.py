@@ -430,6 +430,8 @@ def _restore_hidden_states(graph, inputs, shared: dict, *, packed: bool) -> None
     """The ``hidden_states`` output back in the contract's ``[batch, seq_len, hidden]``: its norm ran on
     the live tokens only (``[1, live, hidden]`` packed, ``[rows, seq, hidden]`` trimmed); the other
     entries are zeros (padding has no hidden state a caller reads)."""
+    import onnx_ir as ir
+
     index, hidden = next((i, v) for i, v in enumerate(graph.outputs) if v.name == contract.HIDDEN_STATES)
     nodes = []
     op, constant = _builder(graph, nodes, "hidden")
@@ -448,7 +450,7 @@ def _restore_hidden_states(graph, inputs, shared: dict, *, packed: bool) -> None
         zeros = constant("zeros_4", np.zeros(4, np.int64))
         pads = op("Concat", zeros, op("Unsqueeze", missing, axis0), constant("zero_1d", np.zeros(1, np.int64)), axis=0)
         out = op("Pad", hidden, pads)  # [rows, seq, hidden] padded at the end of axis 1
-    out.shape, out.type = hidden.shape, hidden.type
+    out.shape, out.type = ir.Shape(list(hidden.shape)), hidden.type  # a copy: inference may reshape `hidden`
     hidden.name = "hidden.live_hidden_states"
     out.name = contract.HIDDEN_STATES
     graph.outputs[index] = out

@@ -376,7 +376,7 @@ def compose(lm: nn.Module, pieces: dict[str, Piece], options):
     outputs = []
     for value, traced in zip(epi.outputs, epilogue.function.graph.outputs):
         value.name, value.type = traced.name.split("/")[-1], traced.type
-        value.shape = ir.Shape(want[value.name])
+        value.shape = ir.Shape([w if w is not None else traced.shape[i] for i, w in enumerate(want[value.name])])
         outputs.append(value)
 
     graph = ir.Graph(

@@ -84,6 +84,21 @@ def chat_prompts(count: int, *, seed: int = 0) -> list[list[dict]]:
     return prompts
 
 
+def dialogue_records(count: int, tokenizer, *, max_tokens: int = 512, skip: int = 0) -> list[dict]:
+    """``count`` whole chit-chat dialogues through the chat template (speakers as user and assistant), cut to
+    ``max_tokens``: text to teacher-force (its labels are the target's own greedy predictions, computed
+    from the hidden states at training time). Dialogues ``skip ..`` in the corpus's order."""
+    records = []
+    for dialogue in list(chitchat_dialogues().values())[skip : skip + count]:
+        turns = [t for t in _turns(dialogue) if t]
+        messages = [{"role": "user" if j % 2 == 0 else "assistant", "content": t} for j, t in enumerate(turns)]
+        if not messages:
+            continue
+        ids = tokenizer.encode_chat(messages)[:max_tokens]
+        records.append({"prompt_ids": [int(t) for t in ids], "answer_ids": []})
+    return records
+
+
 def read_records(path: Path) -> list[dict]:
     if not path.is_file():
         return []
