@@ -245,8 +245,10 @@ def generate(
 
 def _register_optional() -> None:
     """Commands that live in their own modules."""
+    from qspec_cli.heads import train_head
     from qspec_cli.serve import serve, serve_load
 
+    app.command("train-head")(train_head)
     app.command()(serve)
     app.command("serve-load")(serve_load)
     try:
