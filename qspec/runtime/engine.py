@@ -52,7 +52,7 @@ from qspec.runtime.dispatch import (
 from qspec.runtime.metrics import EngineMetrics, aggregate
 from qspec.runtime.prefill import PrefillRow, run_prefill
 from qspec.runtime.proposal import Proposal, Proposer
-from qspec.runtime.proposers import make_proposer
+from qspec.runtime.proposers import HEAD_METHODS, make_proposer
 from qspec.runtime.request import (
     Prompt,
     RequestDelta,
@@ -123,7 +123,11 @@ class Engine:
         )
         self.tokenizer = Tokenizer(self.model.package / TOKENIZER_DIR)
         self.method = method
+        if method in HEAD_METHODS and proposer is None:  # the head lives in the target's package
+            method_options = {"package": self.model.package, "num_threads": num_threads} | method_options
         self.proposer: Proposer = proposer or make_proposer(method, **method_options)
+        if self.proposer.wants_hidden_states and not self.model.manifest.model.hidden_states:
+            raise ConfigError(f"method {method} reads hidden states: {package} has none; compile it with --draft-head")
         self.ks = restrict_ks(self.model.ks, num_speculative_tokens)
         self.k_max = self.ks[-1] if method != "none" else 0
         slots = self.model.rows

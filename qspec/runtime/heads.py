@@ -262,3 +262,34 @@ class MedusaProposer(HiddenStateProposer):
                     keep = 1
                 drafts[rid] = self.to_target(top[:keep]).astype(np.int64)
         return [Proposal(drafts[rid]) if rid in drafts else Proposal.empty() for rid, _ in items]
+
+
+def load_head_proposer(
+    method: str,
+    package: str | Path,
+    *,
+    draft_confidence_threshold: float | None = None,
+    num_threads: int | None = None,
+) -> HiddenStateProposer:
+    """The ``eagle`` or ``medusa`` proposer of ``package``'s draft head (``qspec compile --draft-head``)."""
+    from qspec.heads.manifest import has_head, read_draft_ids, read_head_manifest
+
+    if not has_head(package):
+        raise ConfigError(
+            f"method {method} needs a draft head in {package}; compile it with `qspec compile ... --draft-head DIR`"
+        )
+    manifest = read_head_manifest(package)
+    if manifest.method != method:
+        raise ConfigError(f"{package}'s draft head is {manifest.method}; use --method {manifest.method}")
+    threshold = DEFAULT_THRESHOLD if draft_confidence_threshold is None else draft_confidence_threshold
+    rows = manifest.full_batch_size or 1
+    kv = None
+    if method == "eagle":
+        kv = (manifest.num_kv_heads, manifest.ctx_len, manifest.head_dim)
+    graph = HeadGraph(manifest.path(package, manifest.runtime_graph), rows=rows, kv=kv, num_threads=num_threads)
+    draft_ids = read_draft_ids(package, manifest)
+    common = dict(ctx_len=manifest.ctx_len or 0, hidden_size=manifest.hidden_size, rows=rows, threshold=threshold)
+    if method == "eagle":
+        widths = [spec.seq_len for spec in manifest.specializations]
+        return EagleProposer(graph, draft_ids, widths=widths, **common)
+    return MedusaProposer(graph, draft_ids, **common)

@@ -296,6 +296,15 @@ class UserProposer(Proposer):
 # --------------------------------------------------------------------------------------------
 
 
+def _head_proposer(method: str) -> Callable[..., Proposer]:
+    def make(**knobs: Any) -> Proposer:
+        from qspec.runtime.heads import load_head_proposer  # loads a graph: imported only when asked for
+
+        return load_head_proposer(method, **knobs)
+
+    return make
+
+
 def _draft_proposer(**knobs: Any) -> Proposer:
     from qspec.runtime.draft import DraftProposer  # loads a model: imported only when asked for
 
@@ -330,9 +339,16 @@ _PROPOSERS: dict[str, tuple[Callable[..., Proposer], tuple[str, ...], tuple[str,
         ),
         ("draft_package",),
     ),
+    # Heads that read the target's hidden states, inside the target's package (the engine passes it).
+    "eagle": (_head_proposer("eagle"), ("package", "draft_confidence_threshold", "num_threads"), ("package",)),
+    "medusa": (_head_proposer("medusa"), ("package", "draft_confidence_threshold", "num_threads"), ("package",)),
 }
 PROPOSER_METHODS = tuple(_PROPOSERS)
-_FIXES = {"draft_package": "compile one with `qspec compile --num-layers N`"}
+_FIXES = {
+    "draft_package": "compile one with `qspec compile --num-layers N`",
+    "package": "the target package holds the head: `qspec compile ... --draft-head DIR`",
+}
+HEAD_METHODS = ("eagle", "medusa")
 
 
 def make_proposer(method: str, **knobs: Any) -> Proposer:
