@@ -125,7 +125,8 @@ class ScriptedMedusa:
 def test_medusa_reads_the_newest_hidden_state_and_cuts_at_the_first_unsure_head():
     """Heads drafting 1, 2, 3 with probabilities 0.9, 0.6, 0.3 and threshold 0.5: drafts [1, 2] from f_4."""
     head = ScriptedMedusa([0.9, 0.6, 0.3])
-    proposer = MedusaProposer(head, None, ctx_len=64, hidden_size=HIDDEN, rows=1, threshold=0.5)
+    proposer = MedusaProposer(head, None, ctx_len=0, hidden_size=HIDDEN, rows=1, threshold=0.5)
+    proposer.check_target(vocab_size=VOCAB, ctx_len=64, num_slots=1)
     proposer.start("a", [0, 1, 2, 3, 4])
     proposer.observe_hidden("a", 0, features(0, 5))
     proposer.extend("a", [5])

@@ -117,20 +117,22 @@ class HiddenStateProposer(Proposer):
             raise ConfigError(f"draft_confidence_threshold {threshold} must be in [0, 1]")
         self.head = head
         self.draft_ids = draft_ids
-        self.ctx_len, self.hidden_size, self.rows = ctx_len, hidden_size, rows
+        self.ctx_len, self.hidden_size, self.rows = ctx_len, hidden_size, rows  # ctx_len 0: the head has no cache
+        self.buffer_len = ctx_len  # positions of hidden states kept per request: the target's ctx_len once known
         self.threshold = threshold
         self._requests: dict[RequestId, _Request] = {}
 
     def check_target(self, *, vocab_size: int, ctx_len: int, num_slots: int) -> None:
-        if num_slots > self.rows:
+        if self.ctx_len and num_slots > self.rows:
             raise ConfigError(f"the head has {self.rows} KV rows for {num_slots} sequences in flight; recompile")
-        if ctx_len > self.ctx_len:
+        if self.ctx_len and ctx_len > self.ctx_len:
             raise ConfigError(f"the head's ctx_len {self.ctx_len} is shorter than the target's {ctx_len}; recompile")
+        self.buffer_len = ctx_len
 
     def start(self, request_id, prompt_tokens, params: SamplingParams | None = None, rng=None) -> None:
         used = {r.row for r in self._requests.values()}
-        row = next(r for r in range(self.rows) if r not in used)
-        hidden = np.zeros((self.ctx_len, self.hidden_size), np.float32)
+        row = next((r for r in range(self.rows) if r not in used), 0)  # a head without a cache has no rows to share
+        hidden = np.zeros((self.buffer_len, self.hidden_size), np.float32)
         self._requests[request_id] = _Request(row, as_tokens(prompt_tokens).tolist(), hidden)
 
     def observe_hidden(self, request_id: RequestId, start: int, hidden: np.ndarray) -> None:
