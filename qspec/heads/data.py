@@ -112,6 +112,7 @@ def generate_answers(
     *,
     max_new_tokens: int = 128,
     batch: int = 16,
+    num_threads: int | None = None,
     progress: Progress | None = None,
 ) -> list[dict]:
     """Greedy answers of ``package`` to ``prompts``, appended to ``output`` (JSON lines) a batch at a time;
@@ -121,7 +122,7 @@ def generate_answers(
 
     say = progress or (lambda message: None)
     done = read_records(output)
-    engine = Engine(package, method="pld")
+    engine = Engine(package, method="pld", num_threads=num_threads, spinning=num_threads is None)
     params = SamplingParams(max_new_tokens=max_new_tokens)
     with output.open("a") as sink:
         for at in range(len(done), len(prompts), batch):
@@ -150,13 +151,15 @@ def hidden_rows(model, sequence: list[int]) -> np.ndarray:
     return np.concatenate(parts).astype(np.float16)
 
 
-def collect_features(package: Path, records: list[dict], output: Path, *, progress: Progress | None = None) -> Path:
+def collect_features(
+    package: Path, records: list[dict], output: Path, *, num_threads: int | None = None, progress: Progress | None = None
+) -> Path:
     """Hidden states of every record's prompt and answer from ``package`` (compiled with ``--hidden-states``),
     written to ``output`` (``.npz``)."""
     from qspec.runtime.backend import load_model
 
     say = progress or (lambda message: None)
-    model = load_model(package)
+    model = load_model(package, num_threads=num_threads, spinning=num_threads is None)
     if not model.manifest.model.hidden_states:
         raise ConfigError(f"{package} has no hidden_states output; compile it with --hidden-states")
     model.warm_up()
