@@ -133,3 +133,28 @@ def test_medusa_reads_the_newest_hidden_state_and_cuts_at_the_first_unsure_head(
     assert proposer.propose("a", 3).tolist() == [1, 2]
     assert head.seen[0][0, 0, 0] == 4.0
     assert proposer.propose("a", 1).tolist() == [1]  # the cap cuts first
+
+
+def test_lookup_first_takes_long_matches_and_the_head_elsewhere():
+    """``eagle+pld``: history ``7 8 9 3 7 8 9`` continues a 3-gram (lookup drafts 3, 7, 8); ``0 1 2 3 4`` matches
+    nothing long (the head drafts 6, 7 after first token 5), and the head catches up on the steps it skipped."""
+    from qspec.runtime.heads import LookupFirstProposer
+    from qspec.runtime.proposers import PromptLookupProposer
+
+    head = ScriptedHead()
+    proposer = LookupFirstProposer(PromptLookupProposer(1, 3), eagle(head))
+    proposer.start("rep", [7, 8, 9, 3, 7, 8])
+    proposer.observe_hidden("rep", 0, features(0, 6))
+    proposer.extend("rep", [9])
+    proposer.start("open", [0, 1, 2, 3, 4])
+    proposer.observe_hidden("open", 0, features(0, 5))
+    proposer.extend("open", [5])
+    rep, open_ = proposer.propose_batch([("rep", 3), ("open", 2)])
+    assert rep.tokens.tolist() == [3, 7, 8] and rep.match_len == 3
+    assert open_.tokens.tolist() == [6, 7] and open_.match_len == 0
+    assert all(call[0].shape[0] == 1 for call in head.calls)  # the head ran for the open row only
+    head.calls.clear()
+    proposer.observe_hidden("rep", 6, features(6, 2))
+    proposer.extend("rep", [3, 5])  # accepted 3, bonus 5: no long match now
+    assert proposer.propose_batch([("rep", 1)])[0].tokens.tolist() == [6]
+    assert head.calls[0][1][0][head.calls[0][1][0] >= 0].tolist() == list(range(8))  # pairs 0..7 at once

@@ -152,7 +152,12 @@ def hidden_rows(model, sequence: list[int]) -> np.ndarray:
 
 
 def collect_features(
-    package: Path, records: list[dict], output: Path, *, num_threads: int | None = None, progress: Progress | None = None
+    package: Path,
+    records: list[dict],
+    output: Path,
+    *,
+    num_threads: int | None = None,
+    progress: Progress | None = None,
 ) -> Path:
     """Hidden states of every record's prompt and answer from ``package`` (compiled with ``--hidden-states``),
     written to ``output`` (``.npz``)."""
