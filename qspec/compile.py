@@ -55,6 +55,7 @@ class CompileOptions(FrozenModel):
     qaic: QaicOptions = Field(default_factory=QaicOptions)
     num_layers: int | None = Field(default=None, ge=1)  # keep the first N layers (a draft model)
     weight_format: WeightFormat = "fp32"  # MatMul weights of the runtime graph (backend ort)
+    draft_head: str | None = None  # a draft head checkpoint folder (EAGLE-1, Medusa, turbo): PACKAGE/head/
 
     @model_validator(mode="after")
     def _vendor_compresses_its_own_weights(self) -> CompileOptions:
@@ -86,13 +87,22 @@ def _inputs_key(digest: str, options: CompileOptions) -> str:
     payload = json.dumps(
         {
             "digest": digest,
-            "options": options.model_dump(mode="json"),
+            "options": options.model_dump(mode="json", exclude={"draft_head"}),
             "qspec": __version__,
             "export_format": EXPORT_FORMAT,
             "runtime_graph_recipe": RECIPE_VERSION,
         }
+        | ({"draft_head": _head_digest(options.draft_head)} if options.draft_head else {})
     )
     return hashlib.sha256(payload.encode()).hexdigest()[:24]
+
+
+def _head_digest(head_dir: str | None) -> str | None:
+    if head_dir is None:
+        return None
+    from qspec.heads.package import head_digest
+
+    return head_digest(head_dir)
 
 
 def compile_package(
@@ -187,6 +197,20 @@ def compile_package(
                 specializations_path=folder / SPECIALIZATIONS_FILE,
                 num_layers=entry.num_layers,
                 options=options.qaic,
+            )
+        if options.draft_head is not None:
+            from qspec.heads.package import compile_head
+
+            compile_head(
+                options.draft_head,
+                folder,
+                config=spec_config,
+                target_fingerprint=meta.key,
+                weight_format=options.weight_format,
+                backend=options.backend,
+                spec_format=options.spec_format,
+                qaic=options.qaic,
+                progress=say,
             )
         manifest = Manifest(
             inputs_key=key,
