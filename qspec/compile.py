@@ -56,6 +56,12 @@ class CompileOptions(FrozenModel):
     num_layers: int | None = Field(default=None, ge=1)  # keep the first N layers (a draft model)
     weight_format: WeightFormat = "fp32"  # MatMul weights of the runtime graph (backend ort)
     hidden_states: bool = False  # the graphs also return the final-norm hidden states (draft heads read them)
+    draft_head: str | None = None  # a draft head checkpoint folder (EAGLE-1, Medusa, turbo): PACKAGE/head/
+
+    @property
+    def exports_hidden_states(self) -> bool:
+        """A draft head reads the target's hidden states: its package's graphs return them."""
+        return self.hidden_states or self.draft_head is not None
 
     @model_validator(mode="after")
     def _vendor_compresses_its_own_weights(self) -> CompileOptions:
@@ -87,13 +93,22 @@ def _inputs_key(digest: str, options: CompileOptions) -> str:
     payload = json.dumps(
         {
             "digest": digest,
-            "options": options.model_dump(mode="json"),
+            "options": options.model_dump(mode="json", exclude={"draft_head"}),
             "qspec": __version__,
             "export_format": EXPORT_FORMAT,
             "runtime_graph_recipe": RECIPE_VERSION,
         }
+        | ({"draft_head": _head_digest(options.draft_head)} if options.draft_head else {})
     )
     return hashlib.sha256(payload.encode()).hexdigest()[:24]
+
+
+def _head_digest(head_dir: str | None) -> str | None:
+    if head_dir is None:
+        return None
+    from qspec.heads.package import head_digest
+
+    return head_digest(head_dir)
 
 
 def compile_package(
@@ -136,7 +151,7 @@ def compile_package(
         speculative=spec_config.speculative,
         comp_ctx_lengths=spec_config.comp_ctx_lengths,
         num_layers=options.num_layers,
-        hidden_states=options.hidden_states,
+        hidden_states=options.exports_hidden_states,
     )
     if options.backend == "ort":  # while the export runs in its own process: the next step's imports (~3 s)
         threading.Thread(target=_import_runtime_graph_tools, daemon=True).start()
@@ -154,7 +169,7 @@ def compile_package(
         speculative=export_options.speculative,
         comp_ctx_lengths=export_options.comp_ctx_lengths,
         truncated_layers=options.num_layers,
-        hidden_states=options.hidden_states,
+        hidden_states=options.exports_hidden_states,
     )
 
     runtime_graph = None
@@ -190,6 +205,20 @@ def compile_package(
                 specializations_path=folder / SPECIALIZATIONS_FILE,
                 num_layers=entry.num_layers,
                 options=options.qaic,
+            )
+        if options.draft_head is not None:
+            from qspec.heads.package import compile_head
+
+            compile_head(
+                options.draft_head,
+                folder,
+                config=spec_config,
+                target_fingerprint=meta.key,
+                weight_format=options.weight_format,
+                backend=options.backend,
+                spec_format=options.spec_format,
+                qaic=options.qaic,
+                progress=say,
             )
         manifest = Manifest(
             inputs_key=key,
