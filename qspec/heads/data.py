@@ -124,6 +124,11 @@ def generate_answers(
     done = read_records(output)
     engine = Engine(package, method="pld", num_threads=num_threads, spinning=num_threads is None)
     params = SamplingParams(max_new_tokens=max_new_tokens)
+    room = engine.model.ctx_len - max_new_tokens  # a prompt longer than this could not be answered in full
+    fits = [p for p in prompts if len(engine.tokenizer.encode_prompt(p, chat=True)) <= room]
+    if len(fits) < len(prompts):
+        say(f"{len(prompts) - len(fits)} of {len(prompts)} prompts are longer than {room} tokens: skipped")
+    prompts = fits
     with output.open("a") as sink:
         for at in range(len(done), len(prompts), batch):
             chunk = prompts[at : at + batch]
@@ -165,6 +170,7 @@ def collect_features(
 
     say = progress or (lambda message: None)
     model = load_model(package, num_threads=num_threads, spinning=num_threads is None)
+    records = [r for r in records if len(r["prompt_ids"]) + len(r["answer_ids"]) <= model.ctx_len]
     if not model.manifest.model.hidden_states:
         raise ConfigError(f"{package} has no hidden_states output; compile it with --hidden-states")
     model.warm_up()

@@ -152,7 +152,7 @@ def _eagle_loss(head, batch, options: TrainOptions, generator):
     per = F.smooth_l1_loss(pred, target, reduction="none").mean(-1)
     reg = (per * feat_mask).sum() / feat_mask.sum().clamp(min=1)
     cls = F.cross_entropy(head.logits(pred).flatten(0, 1), labels.flatten(), ignore_index=IGNORE)
-    return reg + options.cls_weight * cls, {"reg": float(reg), "ce": float(cls)}
+    return reg + options.cls_weight * cls, {"reg": reg.item(), "ce": cls.item()}
 
 
 def _medusa_loss(head, batch, options: TrainOptions, generator):
@@ -164,7 +164,7 @@ def _medusa_loss(head, batch, options: TrainOptions, generator):
     for k in range(labels.shape[-1]):
         ce = F.cross_entropy(logits[:, :, k].flatten(0, 1), labels[:, :, k].flatten(), ignore_index=IGNORE)
         total = total + MEDUSA_DECAY**k * ce
-        parts[f"ce{k}"] = float(ce)
+        parts[f"ce{k}"] = ce.item()
     return total, parts
 
 
@@ -268,8 +268,10 @@ def train_head(
     optimizer = torch.optim.AdamW(params, lr=options.lr, weight_decay=0.0)
     batches_per_epoch = math.ceil(len(train_ids) / options.batch_sequences)
     total_steps = batches_per_epoch * options.epochs
+    warmup = max(1, min(20, total_steps // 10))
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps))
+        optimizer,
+        lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps)),
     )
     output.mkdir(parents=True, exist_ok=True)
     state_path = output / "train_state.pt"
@@ -309,7 +311,7 @@ def train_head(
                 done = epoch * batches_per_epoch + b + 1 - start_epoch * batches_per_epoch
                 left = (time.perf_counter() - begin) / done * (total_steps - epoch * batches_per_epoch - b - 1)
                 say(
-                    f"epoch {epoch + 1}/{options.epochs} batch {b + 1}/{batches_per_epoch} loss {float(loss):.3f} "
+                    f"epoch {epoch + 1}/{options.epochs} batch {b + 1}/{batches_per_epoch} loss {loss.item():.3f} "
                     f"ETA {left / 60:.1f} min"
                 )
         head.eval()
