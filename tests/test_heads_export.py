@@ -111,7 +111,7 @@ def run_eagle(sess, ids, positions, hidden, kv, batch_index=None):
 def test_eagle_manifest_and_files(eagle_package):
     """head.json records the method, layout, sizes and draft ids; the graph has the contract's I/O."""
     package, manifest, _ = eagle_package
-    assert head_manifest.read_head_manifest(package) == manifest
+    assert head_manifest.check_head(package) == manifest
     assert (manifest.method, manifest.layout, manifest.draft_vocab_size, manifest.vocab_size) == (
         "eagle",
         "eagle",
@@ -311,3 +311,32 @@ def test_package_without_head_says_how(tmp_path):
     """Reading the head of a package without one names the compile option."""
     with pytest.raises(PackageError, match="--draft-head"):
         head_manifest.read_head_manifest(tmp_path)
+
+
+def test_compile_package_with_draft_head(tiny_model, tmp_path):
+    """compile_package(draft_head=...) puts the head beside a real export, reading the target's untied LM head."""
+    from transformers import AutoModelForCausalLM
+
+    from qspec.compile import CompileOptions, compile_package
+
+    model_dir = tiny_model("llama", tie=False)
+    target = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    head = randomize(modules.eagle_from_target(target, draft_ids=torch.tensor([7, 3, 250])))
+    modules.save_eagle(head, tmp_path / "head")
+    options = CompileOptions(
+        specialization=make_config(num_speculative_tokens="0,2", prefill_seq_len=8, ctx_len=64),
+        draft_head=str(tmp_path / "head"),
+    )
+    package, manifest, _ = compile_package(model_dir, options, output=tmp_path / "pkg")
+    head_info = head_manifest.read_head_manifest(package)
+    assert head_info.target_fingerprint == manifest.model.export_key
+    assert [s.seq_len for s in head_info.specializations] == [8, 1, 3]
+    reference = as_stored(modules.load_eagle(tmp_path / "head", target))
+    ids, hidden = features(1, 3)
+    with torch.no_grad():
+        want = reference.logits(reference(ids, hidden, torch.arange(3)[None]))
+    kv = [np.zeros((1, 2, 64, 16), np.float32) for _ in range(2)]
+    logits, _, _ = run_eagle(session(package, head_info), ids, torch.arange(3)[None], hidden, kv)
+    np.testing.assert_allclose(logits[:, 0], want[:, 2].numpy(), rtol=1e-4, atol=1e-4)
+    again = CompileOptions(specialization=options.specialization)
+    assert compile_package(model_dir, again, output=tmp_path / "pkg")[2] is False  # the head is part of the key

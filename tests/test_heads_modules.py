@@ -248,3 +248,16 @@ def test_detect_layout_names_what_it_expects(tmp_path):
     """A folder without a head is an error that lists the layouts."""
     with pytest.raises(ModelLoadError, match="EAGLE-1 config.json"):
         modules.detect_layout(tmp_path)
+
+
+def test_medusa_equal_lm_heads_become_one(tmp_path):
+    """Per-head LM heads that are equal (as save_medusa writes a shared one) collapse to one frozen table."""
+    head = randomize(modules.medusa_from_target(tiny_target(), 3, 1))
+    modules.save_medusa(head, tmp_path, dtype=torch.float32)
+    loaded = modules.load_medusa(tmp_path)
+    assert loaded.per_head_lm_head
+    hidden = torch.randn(1, 2, 64)
+    with torch.no_grad():
+        before = loaded(hidden)
+        assert loaded.share_equal_lm_heads() and not loaded.per_head_lm_head
+        assert torch.equal(loaded(hidden), before)

@@ -223,6 +223,8 @@ def compile_head(
     method = "eagle" if layout == "eagle" else "medusa"
     vocab, hidden = tables.get_input_embeddings().weight.shape
     _check_fits(head, method, hidden)
+    if method == "medusa":
+        head.share_equal_lm_heads()  # one table in the graph, not one per head
 
     say(f"exporting the {method} head graph")
     if method == "eagle":
