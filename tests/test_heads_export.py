@@ -260,8 +260,10 @@ def test_turbo_layout_uses_the_targets_lm_head(tmp_path):
     target = tiny_target()
     head = randomize(modules.MedusaHead(64, 2, 3, target.lm_head.weight, shared_layers=True))
     modules.save_turbo(head, tmp_path / "head")
-    package, manifest = compile_into(tmp_path, tmp_path / "head", target)
+    package, manifest = compile_into(tmp_path, tmp_path / "head", target, spec_format="named")
     assert manifest.layout == "turbo" and manifest.draft_vocab_size == 320 and manifest.num_heads == 2
+    wire = json.loads((package / "head" / "specializations.json").read_text())["specializations"]
+    assert wire == [{"name": "Batch_1", "symbols": {"batch_size": "1"}}]
     hidden = torch.randn(1, 1, 64)
     (logits,) = session(package, manifest).run(None, {contract.HIDDEN_STATES: hidden.numpy()})
     with torch.no_grad():
