@@ -342,3 +342,19 @@ def test_compile_package_with_draft_head(tiny_model, tmp_path):
     np.testing.assert_allclose(logits[:, 0], want[:, 2].numpy(), rtol=1e-4, atol=1e-4)
     again = CompileOptions(specialization=options.specialization)
     assert compile_package(model_dir, again, output=tmp_path / "pkg")[2] is False  # the head is part of the key
+
+
+def test_symbolic_dims_are_the_specialization_keys(eagle_package, tmp_path):
+    """Every symbolic dimension of a head graph is a key of its specializations file, and every key a dimension."""
+    from qspec.export.exporter import graph_dims
+
+    def check(package, manifest):
+        dims = graph_dims(manifest.path(package, manifest.graph))
+        symbols = {d for shape in dims.values() for d in shape if isinstance(d, str)}
+        wire = json.loads(manifest.path(package, manifest.specializations_file).read_text())["specializations"]
+        assert symbols == {key for entry in wire for key in entry}
+
+    check(*eagle_package[:2])
+    target = tiny_target()
+    modules.save_medusa(randomize(modules.medusa_from_target(target, 2)), tmp_path / "head")
+    check(*compile_into(tmp_path, tmp_path / "head", target, spec={"full_batch_size": 2}))
