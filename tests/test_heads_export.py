@@ -358,3 +358,20 @@ def test_symbolic_dims_are_the_specialization_keys(eagle_package, tmp_path):
     target = tiny_target()
     modules.save_medusa(randomize(modules.medusa_from_target(target, 2)), tmp_path / "head")
     check(*compile_into(tmp_path, tmp_path / "head", target, spec={"full_batch_size": 2}))
+
+
+def test_cli_compile_with_draft_head(tiny_model, tmp_path):
+    """`qspec compile --draft-head` writes the head and names it; a folder without a head is a one-line error."""
+    from tests.test_cli import assert_one_line_error, qspec
+
+    model_dir = tiny_model("llama")
+    modules.save_medusa(randomize(modules.medusa_from_target(tiny_target(), 2)), tmp_path / "head")
+    args = ("compile", str(model_dir), "-k", "0,2", "--ctx-len", "64", "--prefill-seq-len", "8")
+    result = qspec(*args, "--draft-head", str(tmp_path / "head"), "-o", str(tmp_path / "pkg"))
+    assert result.returncode == 0, result.stderr
+    assert "draft head: medusa (medusa), 1 specializations" in result.stdout
+    assert head_manifest.check_head(tmp_path / "pkg").num_heads == 2
+    (tmp_path / "empty").mkdir()
+    bad = qspec(*args, "--draft-head", str(tmp_path / "empty"), "-o", str(tmp_path / "pkg2"))
+    assert_one_line_error(bad, "holds no draft head")
+    assert not (tmp_path / "pkg2").exists()
