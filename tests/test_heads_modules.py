@@ -261,3 +261,23 @@ def test_medusa_equal_lm_heads_become_one(tmp_path):
         before = loaded(hidden)
         assert loaded.share_equal_lm_heads() and not loaded.per_head_lm_head
         assert torch.equal(loaded(hidden), before)
+
+
+def test_eagle_bin_with_d2t_and_its_own_draft_lm_head(tmp_path):
+    """A pytorch_model.bin with d2t and an lm_head of draft-vocabulary rows (EAGLE-3's way) keeps those rows."""
+    target = tiny_target()
+    draft_ids = torch.tensor([10, 2, 99])
+    head = randomize(modules.eagle_from_target(target, draft_ids=draft_ids))
+    own_rows = torch.randn(3, 64)
+    state = {k: v for k, v in head.state_dict().items() if k not in modules.TABLES}
+    state |= {
+        "lm_head.weight": own_rows,
+        "d2t": modules.d2t_from_ids(draft_ids),
+        "t2d": modules.t2d_from_ids(draft_ids, 320),
+    }
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    (tmp_path / "config.json").write_text(head.config.to_json_string())
+    loaded = modules.load_eagle(tmp_path, target)
+    assert torch.equal(loaded.lm_head.weight, own_rows) and torch.equal(loaded.draft_ids, draft_ids)
+    assert loaded.own_tables == frozenset({"lm_head.weight"})
+    assert torch.equal(loaded.to_target(torch.tensor([2, 0])), torch.tensor([99, 10]))
