@@ -70,6 +70,10 @@ def compile(
     mxfp6_matmul: Annotated[bool, typer.Option(help="qaic: -mxfp6-matmul.")] = False,
     mos: Annotated[Optional[int], typer.Option(help="qaic: -mos.")] = None,
     aic_enable_depth_first: Annotated[bool, typer.Option(help="qaic: -aic-enable-depth-first.")] = False,
+    draft_head: Annotated[
+        Optional[Path],
+        typer.Option(help="A draft head checkpoint folder (EAGLE-1, Medusa or QEfficient turbo) to compile in."),
+    ] = None,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Package directory to write.")] = None,
     force: Annotated[bool, typer.Option(help="Rebuild even if an identical package exists.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the manifest summary as JSON.")] = False,
@@ -105,6 +109,7 @@ def compile(
             num_layers=num_layers,
             weight_format=weight_format,
             hidden_states=hidden_states,
+            draft_head=str(draft_head) if draft_head else None,
         )
         with status("compiling") as say:
             folder, manifest, reused = compile_package(
@@ -128,6 +133,11 @@ def compile(
         )
         for spec in manifest.specializations:
             print(f"  {spec.describe()}")
+        if draft_head:
+            from qspec.heads.manifest import read_head_manifest
+
+            head = read_head_manifest(folder)
+            print(f"draft head: {head.method} ({head.layout}), {len(head.specializations)} specializations")
         if manifest.qaic and not manifest.qaic.ran:
             print(f"qaic-compile not found: the command is in {folder / manifest.qaic.script}")
 

@@ -111,7 +111,7 @@ def run_eagle(sess, ids, positions, hidden, kv, batch_index=None):
 def test_eagle_manifest_and_files(eagle_package):
     """head.json records the method, layout, sizes and draft ids; the graph has the contract's I/O."""
     package, manifest, _ = eagle_package
-    assert head_manifest.read_head_manifest(package) == manifest
+    assert head_manifest.check_head(package) == manifest
     assert (manifest.method, manifest.layout, manifest.draft_vocab_size, manifest.vocab_size) == (
         "eagle",
         "eagle",
@@ -260,8 +260,10 @@ def test_turbo_layout_uses_the_targets_lm_head(tmp_path):
     target = tiny_target()
     head = randomize(modules.MedusaHead(64, 2, 3, target.lm_head.weight, shared_layers=True))
     modules.save_turbo(head, tmp_path / "head")
-    package, manifest = compile_into(tmp_path, tmp_path / "head", target)
+    package, manifest = compile_into(tmp_path, tmp_path / "head", target, spec_format="named")
     assert manifest.layout == "turbo" and manifest.draft_vocab_size == 320 and manifest.num_heads == 2
+    wire = json.loads((package / "head" / "specializations.json").read_text())["specializations"]
+    assert wire == [{"name": "Batch_1", "symbols": {"batch_size": "1"}}]
     hidden = torch.randn(1, 1, 64)
     (logits,) = session(package, manifest).run(None, {contract.HIDDEN_STATES: hidden.numpy()})
     with torch.no_grad():
@@ -311,3 +313,65 @@ def test_package_without_head_says_how(tmp_path):
     """Reading the head of a package without one names the compile option."""
     with pytest.raises(PackageError, match="--draft-head"):
         head_manifest.read_head_manifest(tmp_path)
+
+
+def test_compile_package_with_draft_head(tiny_model, tmp_path):
+    """compile_package(draft_head=...) puts the head beside a real export, reading the target's untied LM head."""
+    from transformers import AutoModelForCausalLM
+
+    from qspec.compile import CompileOptions, compile_package
+
+    model_dir = tiny_model("llama", tie=False)
+    target = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    head = randomize(modules.eagle_from_target(target, draft_ids=torch.tensor([7, 3, 250])))
+    modules.save_eagle(head, tmp_path / "head")
+    options = CompileOptions(
+        specialization=make_config(num_speculative_tokens="0,2", prefill_seq_len=8, ctx_len=64),
+        draft_head=str(tmp_path / "head"),
+    )
+    package, manifest, _ = compile_package(model_dir, options, output=tmp_path / "pkg")
+    head_info = head_manifest.read_head_manifest(package)
+    assert head_info.target_fingerprint == manifest.model.export_key
+    assert [s.seq_len for s in head_info.specializations] == [8, 1, 3]
+    reference = as_stored(modules.load_eagle(tmp_path / "head", target))
+    ids, hidden = features(1, 3)
+    with torch.no_grad():
+        want = reference.logits(reference(ids, hidden, torch.arange(3)[None]))
+    kv = [np.zeros((1, 2, 64, 16), np.float32) for _ in range(2)]
+    logits, _, _ = run_eagle(session(package, head_info), ids, torch.arange(3)[None], hidden, kv)
+    np.testing.assert_allclose(logits[:, 0], want[:, 2].numpy(), rtol=1e-4, atol=1e-4)
+    again = CompileOptions(specialization=options.specialization)
+    assert compile_package(model_dir, again, output=tmp_path / "pkg")[2] is False  # the head is part of the key
+
+
+def test_symbolic_dims_are_the_specialization_keys(eagle_package, tmp_path):
+    """Every symbolic dimension of a head graph is a key of its specializations file, and every key a dimension."""
+    from qspec.export.exporter import graph_dims
+
+    def check(package, manifest):
+        dims = graph_dims(manifest.path(package, manifest.graph))
+        symbols = {d for shape in dims.values() for d in shape if isinstance(d, str)}
+        wire = json.loads(manifest.path(package, manifest.specializations_file).read_text())["specializations"]
+        assert symbols == {key for entry in wire for key in entry}
+
+    check(*eagle_package[:2])
+    target = tiny_target()
+    modules.save_medusa(randomize(modules.medusa_from_target(target, 2)), tmp_path / "head")
+    check(*compile_into(tmp_path, tmp_path / "head", target, spec={"full_batch_size": 2}))
+
+
+def test_cli_compile_with_draft_head(tiny_model, tmp_path):
+    """`qspec compile --draft-head` writes the head and names it; a folder without a head is a one-line error."""
+    from tests.test_cli import assert_one_line_error, qspec
+
+    model_dir = tiny_model("llama")
+    modules.save_medusa(randomize(modules.medusa_from_target(tiny_target(), 2)), tmp_path / "head")
+    args = ("compile", str(model_dir), "-k", "0,2", "--ctx-len", "64", "--prefill-seq-len", "8")
+    result = qspec(*args, "--draft-head", str(tmp_path / "head"), "-o", str(tmp_path / "pkg"))
+    assert result.returncode == 0, result.stderr
+    assert "draft head: medusa (medusa), 1 specializations" in result.stdout
+    assert head_manifest.check_head(tmp_path / "pkg").num_heads == 2
+    (tmp_path / "empty").mkdir()
+    bad = qspec(*args, "--draft-head", str(tmp_path / "empty"), "-o", str(tmp_path / "pkg2"))
+    assert_one_line_error(bad, "holds no draft head")
+    assert not (tmp_path / "pkg2").exists()

@@ -248,3 +248,36 @@ def test_detect_layout_names_what_it_expects(tmp_path):
     """A folder without a head is an error that lists the layouts."""
     with pytest.raises(ModelLoadError, match="EAGLE-1 config.json"):
         modules.detect_layout(tmp_path)
+
+
+def test_medusa_equal_lm_heads_become_one(tmp_path):
+    """Per-head LM heads that are equal (as save_medusa writes a shared one) collapse to one frozen table."""
+    head = randomize(modules.medusa_from_target(tiny_target(), 3, 1))
+    modules.save_medusa(head, tmp_path, dtype=torch.float32)
+    loaded = modules.load_medusa(tmp_path)
+    assert loaded.per_head_lm_head
+    hidden = torch.randn(1, 2, 64)
+    with torch.no_grad():
+        before = loaded(hidden)
+        assert loaded.share_equal_lm_heads() and not loaded.per_head_lm_head
+        assert torch.equal(loaded(hidden), before)
+
+
+def test_eagle_bin_with_d2t_and_its_own_draft_lm_head(tmp_path):
+    """A pytorch_model.bin with d2t and an lm_head of draft-vocabulary rows (EAGLE-3's way) keeps those rows."""
+    target = tiny_target()
+    draft_ids = torch.tensor([10, 2, 99])
+    head = randomize(modules.eagle_from_target(target, draft_ids=draft_ids))
+    own_rows = torch.randn(3, 64)
+    state = {k: v for k, v in head.state_dict().items() if k not in modules.TABLES}
+    state |= {
+        "lm_head.weight": own_rows,
+        "d2t": modules.d2t_from_ids(draft_ids),
+        "t2d": modules.t2d_from_ids(draft_ids, 320),
+    }
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    (tmp_path / "config.json").write_text(head.config.to_json_string())
+    loaded = modules.load_eagle(tmp_path, target)
+    assert torch.equal(loaded.lm_head.weight, own_rows) and torch.equal(loaded.draft_ids, draft_ids)
+    assert loaded.own_tables == frozenset({"lm_head.weight"})
+    assert torch.equal(loaded.to_target(torch.tensor([2, 0])), torch.tensor([99, 10]))

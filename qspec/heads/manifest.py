@@ -104,6 +104,20 @@ def read_head_manifest(package: str | os.PathLike[str]) -> HeadManifest:
     return manifest
 
 
+def check_head(package: str | os.PathLike[str]) -> HeadManifest:
+    """The head's manifest, after checking that every file it names is there."""
+    manifest = read_head_manifest(package)
+    names = {manifest.graph, manifest.runtime_graph, manifest.specializations_file}
+    if manifest.draft_ids_file:
+        names.add(manifest.draft_ids_file)
+    for name in sorted(names):
+        if not manifest.path(package, name).is_file():
+            raise PackageError(
+                f"the draft head of {package} is missing {name}; recompile the package with --draft-head"
+            )
+    return manifest
+
+
 def read_draft_ids(package: str | os.PathLike[str], manifest: HeadManifest) -> np.ndarray | None:
     """int64 ``[draft_vocab]``: the target id of each draft token, or None for the full vocabulary."""
     if manifest.draft_ids_file is None:

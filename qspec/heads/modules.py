@@ -354,6 +354,18 @@ class MedusaHead(nn.Module):
         """The blocks, and the per-head LM heads when there are any."""
         return [p for p in self.parameters() if p.requires_grad]
 
+    def share_equal_lm_heads(self) -> bool:
+        """One frozen LM head for all heads when their per-head tables are equal (Medusa-1 files store one
+        per head even when they were never trained apart); returns whether it did."""
+        if not self.per_head_lm_head or any(
+            not torch.equal(linear.weight, self.lm_heads[0].weight) for linear in self.lm_heads
+        ):
+            return False
+        rows = self.lm_heads[0].weight.detach().clone()
+        del self.lm_heads
+        self.lm_head = _frozen_linear(rows)
+        return True
+
 
 def medusa_from_target(
     target_model,

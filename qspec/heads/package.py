@@ -42,7 +42,7 @@ from qspec.backends.qaic import (
     run_compiler,
 )
 from qspec.common import write_text_atomic
-from qspec.errors import ConfigError
+from qspec.errors import CompileError, ConfigError
 from qspec.heads.manifest import (
     DRAFT_IDS_FILE,
     HEAD_DIR,
@@ -52,7 +52,7 @@ from qspec.heads.manifest import (
     HeadManifest,
     HeadWeightFormat,
 )
-from qspec.spec_file import SpecFormat, specialization_names, write_specializations
+from qspec.spec_file import SpecFormat, write_specializations
 from qspec.specializations import Specialization, SpecializationConfig
 
 Progress = Callable[[str], None]
@@ -98,10 +98,9 @@ def write_head_specializations(
         write_specializations(specs, path, fmt=fmt)
         return
     symbols = [{contract.BATCH_SIZE: str(spec.batch_size)} for spec in specs]
-    if fmt == "named":
-        entries = [{"name": f"Medusa_{name}", "symbols": s} for name, s in zip(specialization_names(specs), symbols)]
-    else:
-        entries = symbols
+    entries = (
+        [{"name": f"Batch_{s[contract.BATCH_SIZE]}", "symbols": s} for s in symbols] if fmt == "named" else symbols
+    )
     write_text_atomic(path, json.dumps({"specializations": entries}, indent=2) + "\n")
 
 
@@ -223,6 +222,8 @@ def compile_head(
     method = "eagle" if layout == "eagle" else "medusa"
     vocab, hidden = tables.get_input_embeddings().weight.shape
     _check_fits(head, method, hidden)
+    if method == "medusa":
+        head.share_equal_lm_heads()  # one table in the graph, not one per head
 
     say(f"exporting the {method} head graph")
     if method == "eagle":
@@ -284,8 +285,47 @@ def compile_head(
         runtime_graph_bytes=export.graph_bytes(folder / runtime_graph),
         export_seconds=round(time.perf_counter() - begin, 2),
     )
+    if backend == "ort":
+        say("checking the head graph in ONNX Runtime")
+        check_head_sessions(folder, manifest)
     write_text_atomic(folder / HEAD_MANIFEST, manifest.model_dump_json(indent=2) + "\n")
     return manifest
+
+
+def example_feeds(manifest: HeadManifest, spec: Specialization) -> dict[str, np.ndarray]:
+    """Inputs of one call of ``spec``'s shape: token 0, positions from 0, zero features and KV."""
+    batch, seq = spec.batch_size, spec.seq_len
+    features = np.zeros((batch, seq, manifest.hidden_size), np.float32)
+    if manifest.method == "medusa":
+        return {contract.HIDDEN_STATES: features}
+    feeds = {
+        contract.INPUT_IDS: np.zeros((batch, seq), np.int64),
+        contract.POSITION_IDS: np.tile(np.arange(seq, dtype=np.int64), (batch, 1)),
+        contract.HIDDEN_STATES: features,
+    }
+    if manifest.continuous_batching:
+        feeds[contract.BATCH_INDEX] = np.arange(batch, dtype=np.int64)[:, None]
+    rows = spec.full_batch_size or batch
+    for name in contract.kv_names(1):
+        feeds[name] = np.zeros((rows, manifest.num_kv_heads, spec.ctx_len, manifest.head_dim), np.float32)
+    return feeds
+
+
+def check_head_sessions(folder: Path, manifest: HeadManifest) -> None:
+    """Run the head's runtime graph once per specialization; the logits must have the shape the manifest says."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(folder / manifest.runtime_graph), providers=["CPUExecutionProvider"])
+    for spec in manifest.specializations:
+        try:
+            logits = session.run([contract.LOGITS], example_feeds(manifest, spec))[0]
+        except Exception as exc:  # ORT raises plain RuntimeErrors
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise CompileError(f"the draft head graph fails for {spec.describe()}: {first}") from exc
+        rows = manifest.num_heads if manifest.method == "medusa" else 1
+        want = (spec.batch_size, rows, manifest.draft_vocab_size)
+        if logits.shape != want:
+            raise CompileError(f"the draft head returns logits {logits.shape} for {spec.describe()}, expected {want}")
 
 
 def _check_fits(head, method: str, hidden: int) -> None:
