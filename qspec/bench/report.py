@@ -41,8 +41,19 @@ class Overall(ReportModel):
     accepted: int
     sequence_calls: int
     calls: dict[str, int]  # "prefill" and one entry per K (a baseline: "forward")
+    # Per draft position (qspec.runtime.metrics); empty where the runtime does not say (a baseline)
+    reached_per_position: list[int] = []
+    accepted_per_position: list[int] = []
+    acceptance_per_position: list[float | None] = []
     ratio_to_none: float | None = None  # requests/s against none at the same batch size
     peak_rss_mb: float | None = None
+
+    @property
+    def tokens_per_drafted_call(self) -> float | None:
+        """Mean acceptance length over the calls that verified at least one draft: accepted drafts / those
+        calls + 1 (None without per-position counts)."""
+        drafted = self.reached_per_position[0] if self.reached_per_position else 0
+        return round(self.accepted / drafted + 1, 4) if drafted else None
 
     @classmethod
     def from_metrics(cls, metrics: EngineMetrics, *, proposals_known: bool = True) -> Overall:
