@@ -120,6 +120,21 @@ class MicroPackage(ReportModel):
     calls: list[MicroCall]
 
 
+class MicroHead(ReportModel):
+    """One call per specialization of a package's draft head (EAGLE: prefill, the one-token chain step and
+    each catch-up width; Medusa: each batch size), beside the target's cheapest decode call of that package."""
+
+    batch: int  # the package's max batch size
+    weight_format: str
+    method: str  # eagle, medusa
+    package: str
+    weight_bytes: int  # the head's runtime graph
+    floor_ms: float
+    iterations: int
+    target_k0_ms: float | None  # the package's K=0 call (smallest bucket) in the same micro-benchmark
+    calls: list[MicroCall]
+
+
 class PrefillChunk(ReportModel):
     """Time to first token with prompts prefilled in chunks of ``prefill_seq_len`` tokens (batch 1)."""
 
@@ -136,6 +151,7 @@ class MicroReport(ReportModel):
     prefill: list[PrefillChunk] = []
     prefill_prompts: int = 0  # prompts per chunk size and round
     prefill_rounds: int = 0
+    heads: list[MicroHead] = []  # packages with a draft head
 
 
 class MemoryProbe(ReportModel):

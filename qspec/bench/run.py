@@ -19,7 +19,7 @@ from qspec.bench.analysis import Collected, contention_notes, equality_checks, s
 from qspec.bench.ceiling import ceilings
 from qspec.bench.machine import CpuMeter, copy_bandwidth, cpu_name, machine_versions, usable_cores
 from qspec.bench.memory import run_memory
-from qspec.bench.micro import micro_benchmark, prefill_sweep
+from qspec.bench.micro import head_micro_benchmark, micro_benchmark, prefill_sweep
 from qspec.bench.options import BenchOptions, quick_options
 from qspec.bench.packages import Packages, ResolvedModel, compile_packages, package_count, resolve_model
 from qspec.bench.peer_models import PeerUnavailable
@@ -29,6 +29,7 @@ from qspec.bench.report import BenchReport, MachineInfo, MemoryReport, Meta, Mic
 from qspec.bench.runners import QspecRunner, Runner, TransformersRunner
 from qspec.bench.targets import evaluate_targets
 from qspec.errors import ConfigError
+from qspec.heads.manifest import has_head
 from qspec.prompts import PromptRecord, default_prompts_path, load_prompts
 
 Request = tuple[str, str, list[int]]  # (request id, category, prompt token ids)
@@ -141,9 +142,23 @@ def run_micro(
     bandwidth = copy_bandwidth()
     packages = []
     prefill = []
+    heads = []
     for (weight_format, batch), model in models.items():
         steps.say(f"micro-benchmark, {weight_format} batch {batch}")
         packages.append(micro_benchmark(model, iterations, bandwidth, batch=batch, weight_format=weight_format))
+        if has_head(model.package):
+            steps.say(f"micro-benchmark, {weight_format} batch {batch}: the draft head")
+            heads.append(
+                head_micro_benchmark(
+                    model.package,
+                    iterations,
+                    bandwidth,
+                    batch=batch,
+                    weight_format=weight_format,
+                    target=packages[-1],
+                    num_threads=options.num_threads,
+                )
+            )
         if weight_format == "fp32" and batch == 1 and len(model.decode_buckets) > 1:
             # The buckets bound what the vendor graph's attention reads; the runtime graph's
             # GroupQueryAttention reads only up to each row's position whatever the bucket.
@@ -171,6 +186,7 @@ def run_micro(
         prefill=prefill,
         prefill_prompts=len(prompts) if prefill else 0,
         prefill_rounds=rounds if prefill else 0,
+        heads=heads,
     )
 
 
