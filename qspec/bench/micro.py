@@ -43,7 +43,8 @@ def time_calls(model, bounds: list, iterations: int, *, rounds: int = 5, warmup:
     """
     for bound in bounds:  # each binding keeps its own inputs; the shapes share only the KV buffer
         prepare_call(model, bound)
-    return time_runs([lambda bound=bound: model.run(bound) for bound in bounds], iterations, rounds=rounds, warmup=warmup)
+    runs = [lambda bound=bound: model.run(bound) for bound in bounds]
+    return time_runs(runs, iterations, rounds=rounds, warmup=warmup)
 
 
 def time_runs(runs: list[Callable[[], object]], iterations: int, *, rounds: int = 5, warmup: int = 3) -> list[float]:
