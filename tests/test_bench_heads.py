@@ -167,3 +167,71 @@ def test_markdown_renders_without_head_sections_for_an_old_report(head_run):
     plain = report.model_copy(update={"micro": None, "configs": [report.config("none@1")]})
     markdown = render_markdown(plain)
     assert "## Acceptance per draft position" not in markdown and "## Draft head calls" not in markdown
+
+
+def test_report_has_a_head_ceiling_replayed_on_hidden_states(head_run):
+    """eagle and eagle+pld at batch 1 get a ceiling replayed on the target's hidden states; pld keeps its token
+    replay; the EAGLE head drafts at every position (its first draft is taken whatever its confidence)."""
+    out, report = head_run
+    rows = {c.key: c for c in report.ceilings}
+    assert rows["pld[0,4]@1"].replay == "tokens"
+    eagle = rows["eagle[0,4]@1"]
+    assert (eagle.replay, rows["eagle+pld[0,4]@1"].replay) == ("hidden states", "hidden states")
+    assert eagle.drafted_positions == eagle.positions > 0
+    assert eagle.oracle_x_none > 0
+    assert "replay: hidden states" in (out / "report.md").read_text()
+
+
+def test_head_draft_costs_and_the_oracle_pays_them():
+    """EAGLE pays one head call per draft, Medusa one per step, lookup nothing; the oracle adds it to the call."""
+    from qspec.bench.ceiling import head_draft_ms, oracle_ms
+
+    assert head_draft_ms("eagle", 2.0, 3, True) == (0.0, 2.0, 4.0, 6.0)
+    assert head_draft_ms("medusa", 2.0, 2, True) == (0.0, 2.0, 2.0)
+    assert head_draft_ms("eagle", 2.0, 2, False) == (0.0, 0.0, 0.0)
+    steps = [(1, 1), (1, 0)]  # position 0: one draft, accepted; position 1: one draft, rejected
+    price = {0: 10.0, 1: 12.0}
+    assert oracle_ms(steps, price, 1) == (12.0, 1)  # one K=1 call covers both positions
+    # a draft that costs 5 ms more than it saves: two K=0 calls instead
+    assert oracle_ms(steps, price, 1, [(0.0, 9.0), (0.0, 9.0)]) == (20.0, 2)
+
+
+def test_replay_feeds_hidden_states_as_the_engine_does():
+    """The prompt's hidden states before the first step, then position p's once the token after it is out."""
+    import numpy as np
+
+    from qspec.bench.ceiling import replay
+    from qspec.runtime.proposal import Proposal, Proposer
+
+    class Recorder(Proposer):
+        wants_hidden_states = True
+
+        def __init__(self):
+            self.seen, self.known = [], 0
+
+        def start(self, request_id, prompt_tokens, params=None, rng=None):
+            self.tokens = list(prompt_tokens)
+
+        def observe_hidden(self, request_id, start, hidden):
+            assert start == self.known, (start, self.known)
+            self.known = start + len(hidden)
+
+        def extend(self, request_id, new_tokens):
+            self.tokens += list(new_tokens)
+
+        def propose(self, request_id, k):
+            self.seen.append((len(self.tokens), self.known))
+            return np.asarray([self.tokens[-1]], np.int64)  # drafts a repeat of the last token
+
+        def propose_batch(self, items):
+            return [Proposal(self.propose(rid, k)) for rid, k in items]
+
+        def finish(self, request_id):
+            pass
+
+    proposer = Recorder()
+    hidden = {"a": np.zeros((5, 4), np.float32)}  # prompt 3 + output 3 - 1 positions
+    steps = replay(proposer, {"a": [1, 2, 3]}, {"a": [7, 7, 8]}, 4, hidden)
+    # each step: tokens known = prompt + emitted, hidden states known for all but the newest token
+    assert proposer.seen == [(4, 3), (5, 4)]
+    assert steps["a"] == [((1, 1), 0), ((1, 0), 0)]  # 7 repeats 7 (accepted), then 7 is not 8

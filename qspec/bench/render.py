@@ -319,11 +319,21 @@ def _ceilings(report: BenchReport) -> list[str]:
         "decode ms per token over the configuration's, first turns; captured: (measured - 1) / (ceiling - 1). The "
         "prices are the micro-benchmark's (positions up to 255), not each call's own, so a dispatch can land a "
         "little above its ceiling.",
-        "",
     ]
+    if any(c.replay == "hidden states" for c in report.ceilings):
+        lines.append(
+            "Head rows (replay: hidden states): the head proposer is fed the target's hidden states along `none`'s "
+            "output, computed by prefill calls over prompt and output, not by the run's verify calls (float sums in "
+            "another order: a near-tie of the head's argmax can flip, so the replayed drafts can differ a little "
+            "from the run's); the oracle also pays the head's calls at the micro-benchmark's prices (EAGLE one "
+            "one-token call per draft, its catch-up priced as one; Medusa one call per drafting step; lookup's "
+            "drafts of `+pld` free)."
+        )
+    lines.append("")
     rows = [
         [
             c.key,
+            c.replay,
             c.weight_format,
             c.positions,
             c.drafted_positions,
@@ -336,6 +346,7 @@ def _ceilings(report: BenchReport) -> list[str]:
     ]
     header = [
         "config@batch",
+        "replay",
         "weights",
         "positions",
         "with drafts",

@@ -177,6 +177,9 @@ class CeilingRow(ReportModel):
     oracle_x_none: float  # the ceiling: none's decode time over the oracle's, at micro-benchmark prices
     measured_x_none: float  # none's decode ms per token over the configuration's (the same requests)
     captured: float | None  # (measured - 1) / (ceiling - 1): the share of the possible gain taken
+    # "tokens": a lookup proposer replayed on tokens; "hidden states": a draft head replayed on the target's
+    # hidden states along none's output, its calls priced by the micro-benchmark (qspec.bench.ceiling)
+    replay: Literal["tokens", "hidden states"] = "tokens"
 
 
 class MemoryReport(ReportModel):

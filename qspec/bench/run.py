@@ -11,12 +11,12 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import psutil
 
 from qspec.bench.analysis import Collected, contention_notes, equality_checks, summarize, with_ratios
-from qspec.bench.ceiling import ceilings
+from qspec.bench.ceiling import HeadReplay, ceilings, head_replays_of
 from qspec.bench.machine import CpuMeter, copy_bandwidth, cpu_name, machine_versions, usable_cores
 from qspec.bench.memory import run_memory
 from qspec.bench.micro import head_micro_benchmark, micro_benchmark, prefill_sweep
@@ -277,6 +277,7 @@ class Measured:
     baseline_peaks: dict[str, float | None]  # backend -> peak RSS MB of its process
     skipped: list[Skipped]  # peers that could not start
     first_turns: dict[str, list[int]]  # prompt id -> its first turn's token ids
+    head_replays: dict[str, dict[str, HeadReplay]] = field(default_factory=dict)  # config key -> its replay
 
 
 def _measure(plan: BenchPlan, packages: Packages, steps: Steps, laps: Laps) -> Measured:
@@ -303,6 +304,12 @@ def _measure(plan: BenchPlan, packages: Packages, steps: Steps, laps: Laps) -> M
         assert not missing, f"configurations without a runner: {missing}"
         collected = run_timed(plan, runners, qspec.encode_chat, steps)
         laps.lap("timed_rounds_s")
+        prompts = {p.id: list(tokens) for p, tokens in zip(plan.prompts, first_turns)}
+        head_replays = {}
+        if options.head_methods:
+            steps.say("replaying the draft heads along none's outputs (the speculation ceiling)")
+            head_replays = head_replays_of(plan.configs, qspec.models, collected, prompts, micro)
+            laps.lap("head_replay_s")
         peaks = {r.backend: r.stop() for r in baselines}
     finally:
         for runner in baselines:
@@ -321,8 +328,7 @@ def _measure(plan: BenchPlan, packages: Packages, steps: Steps, laps: Laps) -> M
         )
     laps.lap("memory_s")
     runner_info = {backend: i for backend, i in info.items() if i is not None}
-    prompts = {p.id: list(tokens) for p, tokens in zip(plan.prompts, first_turns)}
-    return Measured(collected, micro, memory, runner_info, peaks, skipped, prompts)
+    return Measured(collected, micro, memory, runner_info, peaks, skipped, prompts, head_replays)
 
 
 def _peak_rss(config: RunConfig, measured: Measured) -> float | None:
@@ -379,7 +385,7 @@ def build_report(
         equality=equality_checks(collected),
         targets=evaluate_targets(summaries, measured.memory, measured.micro),
         outputs={key: c.tokens() for key, c in collected.items()},
-        ceilings=ceilings(collected, measured.first_turns, measured.micro),
+        ceilings=ceilings(collected, measured.first_turns, measured.micro, measured.head_replays),
     )
 
 
