@@ -26,6 +26,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from qspec.backends.qaic import QaicResult
+from qspec.common import with_umask
 from qspec.errors import PackageError
 from qspec.spec_file import SpecFormat, read_specializations
 from qspec.specializations import Specialization, SpecializationConfig
@@ -231,6 +232,7 @@ def write_package_atomic(target: Path, build: Callable[[Path], None]) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     old = None
     try:
+        with_umask(tmp, 0o777)
         build(tmp)
         if target.exists():
             old = target.parent / f".{target.name}.old-{os.getpid()}"
@@ -266,4 +268,51 @@ def manifest_summary(manifest: Manifest) -> dict[str, Any]:
                 "compile_seconds": manifest.compile_seconds,
             }
         )
+    )
+
+
+class PackageInfo(BaseModel):
+    """What a package holds, for ``qspec info``: the model, the shapes, the formats, the files."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    package: str
+    model: str
+    model_type: str
+    num_layers: int
+    vocab_size: int
+    backend: Backend
+    weight_format: WeightFormat
+    num_speculative_tokens: list[int]
+    ctx_len: int
+    prefill_seq_len: int
+    kv_slots: int
+    specializations: list[str]
+    files: dict[str, int]  # relative path -> bytes
+    total_bytes: int
+    created: str
+
+
+def package_info(package: str | os.PathLike[str]) -> PackageInfo:
+    """The :class:`PackageInfo` of ``package`` (a PackageError if it is not one)."""
+    folder = Path(package)
+    manifest = read_manifest(folder)
+    config = manifest.config
+    files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
+    return PackageInfo(
+        package=str(folder),
+        model=manifest.model.source,
+        model_type=manifest.model.model_type,
+        num_layers=manifest.model.num_layers,
+        vocab_size=manifest.model.vocab_size,
+        backend=manifest.backend,
+        weight_format=manifest.weight_format,
+        num_speculative_tokens=list(config.num_speculative_tokens),
+        ctx_len=config.ctx_len,
+        prefill_seq_len=config.prefill_seq_len,
+        kv_slots=config.full_batch_size or config.batch_size,
+        specializations=[spec.describe() for spec in manifest.specializations],
+        files=files,
+        total_bytes=sum(files.values()),
+        created=manifest.created,
     )

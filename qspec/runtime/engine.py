@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -62,6 +62,14 @@ from qspec.runtime.sampling import (
 )
 from qspec.runtime.tokenizer import TextStream, Tokenizer
 
+METHOD_ALIASES = {"ngram": "pld"}  # vLLM's name for prompt lookup
+OutputCallback = Callable[[RequestOutput], None]
+
+
+def canonical_method(method: str) -> str:
+    """The speculative method ``method`` names (``ngram`` is ``pld``)."""
+    return METHOD_ALIASES.get(method, method)
+
 
 class Engine:
     """Generate with speculative decoding from a compiled package, on any runtime backend.
@@ -88,7 +96,7 @@ class Engine:
         backend: str = "ort",
         **method_options: Any,
     ):
-        """Load ``package``; ``method`` is ``none``, ``pld``, ``suffix``, ``user`` or ``draft``.
+        """Load ``package``; ``method`` is ``none``, ``pld`` (alias ``ngram``), ``suffix``, ``user`` or ``draft``.
 
         ``num_speculative_tokens`` restricts dispatch to a subset of the compiled Ks (default: all).
         ``dispatch``: ``cover`` runs the smallest K covering the longest proposal; ``cost`` the K
@@ -106,7 +114,7 @@ class Engine:
             package, backend=backend, session_mode=session_mode, spinning=spinning, num_threads=num_threads
         )
         self.tokenizer = Tokenizer(self.model.package / TOKENIZER_DIR)
-        self.method = method
+        self.method = method = canonical_method(method)
         self.proposer: Proposer = proposer or make_proposer(method, **method_options)
         self.ks = restrict_ks(self.model.ks, num_speculative_tokens)
         self.k_max = self.ks[-1] if method != "none" else 0
@@ -370,12 +378,14 @@ class Engine:
         *,
         chat: bool = False,
         on_text: TextCallback | None = None,
+        on_output: OutputCallback | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt, up to ``num_slots`` in flight (continuous batching).
 
         ``prompts``: a string, a list of token ids, chat messages, or a list of those.
         ``params``: one :class:`SamplingParams` for all, or one per prompt (default: greedy, 128 tokens).
-        ``on_text(index, text)`` receives each request's text as it is generated.
+        ``on_text(index, text)`` receives each request's text as it is generated, ``on_output(output)`` each
+        request's output as it finishes (``output.index``: its prompt's).
         Metrics of the call are in :attr:`last_metrics`. A thin loop over :meth:`add_request` and
         :meth:`step`; the engine must have no request of its own in flight.
         """
@@ -389,8 +399,8 @@ class Engine:
         if self.has_unfinished():
             raise ConfigError("generate() needs an idle engine: requests added with add_request() are still in flight")
         encoded = [self.tokenizer.encode_prompt(p, chat=chat) for p in prompts]
-        for i, ids in enumerate(encoded):
-            check_fits(f"prompt {i}", ids, self.model.ctx_len)
+        for i, (ids, p) in enumerate(zip(encoded, params)):
+            check_fits(f"prompt {i}", ids, self.model.ctx_len, new_tokens=p.max_new_tokens)
         calls_before = dict(self.calls)
         start = time.perf_counter()
         order = {self.add_request(ids, p, arrival=start): i for i, (ids, p) in enumerate(zip(encoded, params))}
@@ -403,6 +413,8 @@ class Engine:
                         on_text(index, delta.text)
                     if delta.output is not None:
                         outputs[index] = replace(delta.output, index=index)
+                        if on_output is not None:
+                            on_output(outputs[index])
         finally:
             for request_id in order:
                 self.abort(request_id)
