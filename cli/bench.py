@@ -161,8 +161,6 @@ def _print_summary(report: BenchReport, paths: dict[str, Path]) -> None:
         o = s.overall
         versus = f"  {o.ratio_to_none:.2f}x none" if o.ratio_to_none else ""
         print(f"  {s.key:<24} {o.requests_per_s:8.3f} req/s {o.output_tokens_per_s:8.1f} tok/s{versus}")
-    for t in report.targets:
-        print(f"  [{t.status}] {t.target}: {t.measured} (goal {t.goal})")
     for note in report.meta.notes:
         console.print(f"[yellow]Note:[/] {escape(note)}")
 

@@ -98,6 +98,12 @@ class ModelEntry(ModelInfo):
     truncated_layers: int | None = None
 
 
+# RuntimeGraph.fusions keys of the two graph rewrites after which MatMuls run on live tokens only:
+# qspec.backends.ort_attention packs the rows' live tokens (continuous batching) or trims one row's padding.
+PACKED_TOKENS = "live_tokens"
+TRIMMED_ROWS = "trimmed_rows"
+
+
 class RuntimeGraph(BaseModel):
     """The graph the embedded runtime loads instead of ``model.onnx``, and how it was made."""
 
@@ -119,6 +125,11 @@ class RuntimeGraph(BaseModel):
     # its RoPE table, positions below it.
     rope_positions: int | None = None
     seconds: float
+
+    @property
+    def packs_live_tokens(self) -> bool:
+        """Its MatMuls run on live tokens only: a call costs its live tokens, not ``rows * (K + 1)``."""
+        return bool(self.fusions.get(PACKED_TOKENS) or self.fusions.get(TRIMMED_ROWS))
 
     def kv_slack(self, longest_seq_len: int) -> int:
         """Slots the runtime's KV buffers need beyond ``ctx_len`` for calls of up to ``longest_seq_len`` tokens:

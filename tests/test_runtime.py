@@ -378,7 +378,7 @@ def test_auto_dispatch_costs_greedy_steps_on_live_token_graphs(packages):
     """`auto` is `cost` for greedy steps on a graph that runs live tokens only (one fp32 slot included:
     a K=8 call there costs 1.5x a K=0 call) and with several slots; `cover` on a one-slot graph that
     pads every row to K + 1 (its drafts are free up to the K it runs), or when one samples."""
-    from qspec.runtime.backend import load_model
+    from qspec.runtime.load import load_model
 
     one_slot = Engine(packages["0,4"], method="pld").dispatcher  # fp32, one slot: rows trimmed to live tokens
     assert one_slot.mode == "auto"

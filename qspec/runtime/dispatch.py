@@ -1,6 +1,6 @@
-"""Which compiled K a decode step runs.
+"""Which compiled K a decode step runs: the :class:`Dispatcher` (the modes and when ``auto`` picks which).
 
-``cover`` (the default, :func:`pick_k`): the smallest K that covers the batch's longest proposal.
+``cover`` (:func:`pick_k`): the smallest K that covers the batch's longest proposal.
 
 ``cost``: the K with the most expected tokens per millisecond, each row's drafts cut to the depth
 that pays (:func:`plan_by_cost`). With several sequences in flight one long proposal would otherwise
@@ -16,9 +16,9 @@ K=0 gives 2 tokens / 40 ms = 0.050; K=4 gives 2 + (0.5 + 0.25 + 0.125 + 0.0625) 
 80 ms = 0.037, so K=0 runs and the drafts are dropped. With ``c_i = 0.9`` K=4 gives 5.10 / 80 =
 0.064 and wins. Cutting drafts never changes the output, only the speed.
 
-The costs start as the warm-up's calls on padding and then follow the engine's own calls
-(:class:`CallCosts`): a padding call skips attention, and three calls at start-up on a noisy machine
-once priced batch-4 K=4 low enough that ``pld`` at 4 sequences ran 0.76x ``none``.
+The costs start as the warm-up's calls and then follow the engine's own calls (:class:`CallCosts`):
+a padding call skips attention, and a few calls at start-up on a noisy machine misprice a K for the
+whole run (the measurements behind this module's rules: ``docs/measurements.md``).
 """
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ if TYPE_CHECKING:
 
 DISPATCH_MODES = ("auto", "cover", "cost")  # what each one does: Dispatcher
 # A larger K must promise 10 % more tokens per ms than the best smaller one: the estimate is high for
-# Ks that rarely run (pld [0,4] at batch 4 ran 49 K=4 calls on it and landed 0.95x none).
+# Ks that rarely run, and a K run on a high estimate costs more than it gives.
 MARGIN = 1.1
 # Cost dispatch drops drafts it expects to be rejected, and then learns nothing more about them: after
-# this many steps with drafts on offer and none verified, one step verifies one draft a row. (A few
-# early rejections once priced pld's drafts out for a whole run: 2 K=4 calls of 508 at batch 4.)
+# this many steps with drafts on offer and none verified, one step verifies one draft a row (a few
+# early rejections would otherwise price the drafts out for the whole run).
 EXPLORE_EVERY = 8
 PRIOR_ACCEPTANCE = 0.5  # c_1 before any draft has been verified ...
 PRIOR_WEIGHT = 2.0  # ... worth two observations (see AcceptanceStats)
@@ -82,8 +82,7 @@ def restrict_ks(compiled: Sequence[int], requested: Sequence[int] | str | None) 
 
 def _interleaved_ms(model, calls: Sequence[tuple[object, int | None]], repeats: int) -> list[float]:
     """Median ms of each ``(binding, live tokens a row or None: padding)`` call over ``repeats`` rounds,
-    one call of each per round: a slow stretch of a shared machine lands on every call alike (three calls
-    of each K in turn once priced an int4 K=0 call anywhere from 5.3 to 7.7 ms between engines)."""
+    one call of each per round: a slow stretch of a shared machine lands on every call alike."""
     times: list[list[float]] = [[] for _ in calls]
     for _ in range(repeats):
         for (bound, live), took in zip(calls, times):
@@ -175,8 +174,8 @@ def pick_k_by_cost(ks: Sequence[int], costs_ms: Mapping[int, float], lengths: Se
     every row on ``chain``), at most the ``cover`` K; a larger K must beat the best smaller one by
     :data:`MARGIN`.
 
-    A K above the one covering the longest proposal adds no token, only padding; its measured cost can
-    still come out lower (a noisy warm-up), which once made ``none`` at batch 4 run K=4 on every step.
+    A K above the one covering the longest proposal adds no token, only padding, even when a noisy
+    warm-up measured it cheaper.
     """
     return plan_by_cost(ks, lambda k, live: costs_ms[k], lengths, [chain] * len(lengths))[0]
 
@@ -227,8 +226,8 @@ def _median(values) -> float:
 class AcceptanceStats:
     """Running estimates of ``c_i``, the chance that draft ``i`` (1-based) is accepted given that drafts
     ``1..i-1`` were, one set per proposal class (:attr:`Proposal.match_len`): how far a prompt-lookup
-    draft gets depends on what it continues (MT-bench, SmolLM2, drafts after a 1-gram match: first
-    accepted 25 % of the time, 0.7 drafts on average; after a 3-gram: 85 %, 5.0).
+    draft gets depends on what it continues (a draft after a 3-gram match is accepted far more often
+    than one after a 1-gram match).
 
     A class's ``c_1`` starts from every class's pooled ``c_1`` (itself from 0.5), and a deeper ``c_i``
     from the class's own ``c_{i-1}``, each worth :data:`PRIOR_WEIGHT` observations: a class seen a few

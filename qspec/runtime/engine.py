@@ -37,8 +37,8 @@ import numpy as np
 
 from qspec.errors import ConfigError
 from qspec.package import TOKENIZER_DIR
-from qspec.runtime.backend import LoadedModel, SessionMode, load_model
 from qspec.runtime.dispatch import Dispatcher, check_mode, restrict_ks
+from qspec.runtime.load import load_model
 from qspec.runtime.metrics import EngineMetrics, aggregate
 from qspec.runtime.prefill import PrefillRow, run_prefill
 from qspec.runtime.proposal import Proposal, Proposer
@@ -60,6 +60,7 @@ from qspec.runtime.sampling import (
     process_logits,
     sample_tokens,
 )
+from qspec.runtime.session import LoadedModel, SessionMode
 from qspec.runtime.tokenizer import TextStream, Tokenizer
 
 METHOD_ALIASES = {"ngram": "pld"}  # vLLM's name for prompt lookup
@@ -104,7 +105,7 @@ class Engine:
         verified draft costs, ``cover`` otherwise (the rule: :class:`~qspec.runtime.dispatch.Dispatcher`).
         ``max_batch_size`` caps the sequences in flight (default: every KV slot of the package).
         ``backend``: where the package runs, ``ort`` (ONNX Runtime, CPU) or ``qaic`` (its QPC on Cloud
-        AI 100, :mod:`qspec.runtime.qaic`); the engine is the same on both.
+        AI 100, :mod:`qspec.runtime.qaic_session`); the engine is the same on both.
         ``force_accept`` is a testing knob: accept exactly ``min(n, force_accept)`` drafts whatever
         the target says (the output is then *not* the target's greedy output).
         ``method_options`` go to the proposer (``prompt_lookup_min``, ``prompt_lookup_max``, ...).
