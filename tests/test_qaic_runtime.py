@@ -15,8 +15,8 @@ import pytest
 
 from qspec.compile import CompileOptions, compile_package
 from qspec.runtime import Engine, SamplingParams
-from qspec.runtime.backend import load_model
-from qspec.runtime.qaic import QaicRuntimeError
+from qspec.runtime.load import load_model
+from qspec.runtime.qaic_session import QaicRuntimeError
 from qspec.specializations import make_config
 
 TESTS = Path(__file__).parent
