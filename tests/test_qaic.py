@@ -154,7 +154,8 @@ def test_options_errors_are_one_line():
 
 
 def test_argv_default_flags_in_order():
-    """Default options: fp16 conversion on, no mxfp6 / mos / depth-first / MDP."""
+    """Default options, in QEfficient's order: fp16 conversion on, no mxfp6 / mos / depth-first / MDP,
+    no -compile-only."""
     argv = qaic_compile_argv(
         compiler="qaic-compile",
         onnx_path="model.onnx",
@@ -165,21 +166,20 @@ def test_argv_default_flags_in_order():
     )
     assert argv == [
         "qaic-compile",
-        "-m=model.onnx",
         "-aic-hw",
         "-aic-hw-version=ai100",
+        "-m=model.onnx",
+        "-retained-state",
+        "-convert-to-fp16",
         "-aic-num-cores=16",
         "-network-specialization-config=specializations.json",
         "-custom-IO-list-file=custom_io.yaml",
-        "-retained-state",
-        "-convert-to-fp16",
-        "-compile-only",
         "-aic-binary-dir=qpc",
     ]
 
 
 def test_argv_all_optional_flags():
-    """Every optional flag appears when enabled, the MDP config last."""
+    """Every optional flag appears when enabled; the MDP template after the tuning flags, as QEfficient."""
     options = QaicOptions(
         aic_hw_version="ai200",
         num_cores=14,
@@ -197,20 +197,44 @@ def test_argv_all_optional_flags():
         options=options,
         mdp_path=Path("mdp.json"),
     )
-    assert argv[3:] == [
+    assert argv[1:] == [
+        "-aic-hw",
         "-aic-hw-version=ai200",
-        "-aic-num-cores=14",
-        "-network-specialization-config=s.json",
-        "-custom-IO-list-file=io.yaml",
+        "-m=m.onnx",
         "-retained-state",
         "-convert-to-fp16",
         "-mxfp6-matmul",
+        "-aic-num-cores=14",
         "-mos=1",
         "-aic-enable-depth-first",
-        "-compile-only",
-        "-aic-binary-dir=out",
         "-mdp-load-partition-config=mdp.json",
+        "-network-specialization-config=s.json",
+        "-custom-IO-list-file=io.yaml",
+        "-aic-binary-dir=out",
     ]
+
+
+def test_argv_compile_only_for_qaic_exec_only():
+    """-compile-only goes to the deprecated qaic-exec (which also runs networks), never to qaic-compile."""
+    paths = dict(onnx_path="m", specializations_path="s", custom_io_path="i", qpc_dir="q", options=QaicOptions())
+    assert "-compile-only" not in qaic_compile_argv(compiler="/opt/qti-aic/exec/qaic-compile", **paths)
+    assert qaic_compile_argv(compiler="/opt/qti-aic/exec/qaic-exec", **paths)[-1] == "-compile-only"
+
+
+def test_fake_compiler_rejects_compile_only(package, fake_compiler):
+    """The stand-in refuses -compile-only as current qaic-compile binaries do, so a test sees the drift."""
+    argv = [fake_compiler, *prepare(package, run=False).argv[1:], "-compile-only"]
+    result = subprocess.run(argv, cwd=package, capture_output=True, text=True)
+    assert result.returncode == 1
+    assert "-compile-only is no longer supported" in result.stderr
+
+
+def test_fake_compiler_rejects_unknown_flag(package, fake_compiler):
+    """An unknown flag fails the stand-in compile, named in the error."""
+    argv = [fake_compiler, *prepare(package, run=False).argv[1:], "-no-such-flag"]
+    result = subprocess.run(argv, cwd=package, capture_output=True, text=True)
+    assert result.returncode == 1
+    assert "unknown option '-no-such-flag'" in result.stderr
 
 
 def test_argv_without_fp16_conversion():
@@ -338,7 +362,7 @@ def test_prepare_multi_device_writes_mdp(package, fake_compiler):
     info = prepare(package, options=QaicOptions(num_devices=2, num_cores=8))
     assert info.mdp_partition_config == "mdp.json"
     assert json.loads((package / "mdp.json").read_text()) == mdp_partition_config(2, 8)
-    assert info.argv[-1] == "-mdp-load-partition-config=mdp.json"
+    assert "-mdp-load-partition-config=mdp.json" in info.argv
 
 
 def test_script_runs_the_same_command(package, fake_compiler, monkeypatch):

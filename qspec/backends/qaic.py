@@ -33,7 +33,8 @@ from qspec.errors import CompileError, ConfigError
 COMPILER_ENV = "QAIC_COMPILE"
 COMPILER_NAME = "qaic-compile"
 DEFAULT_COMPILER = "/opt/qti-aic/exec/qaic-compile"  # where the SDK installs it
-SDK_COMPILERS = (DEFAULT_COMPILER, "/opt/qti-aic/exec/qaic-exec")
+LEGACY_COMPILER_NAME = "qaic-exec"  # the SDK's older compile-and-run tool
+SDK_COMPILERS = (DEFAULT_COMPILER, f"/opt/qti-aic/exec/{LEGACY_COMPILER_NAME}")
 
 QPC_DIR = "qpc"
 QPC_PROGRAM = "programqpc.bin"  # what a successful compile leaves in QPC_DIR
@@ -147,32 +148,41 @@ def qaic_compile_argv(
     options: QaicOptions,
     mdp_path: str | os.PathLike[str] | None = None,
 ) -> list[str]:
-    """The compiler's command line; ``mdp_path`` is required when ``num_devices > 1``."""
+    """The compiler's command line, in the order QEfficient's ``_compile`` builds it.
+
+    ``mdp_path`` is required when ``num_devices > 1``. ``-compile-only`` is not passed: current
+    ``qaic-compile`` binaries reject it (QEfficient removed it in 1.22); only the deprecated
+    ``qaic-exec``, which also runs networks, needs it to stop after compiling.
+    """
     if options.num_devices > 1 and mdp_path is None:
         raise ConfigError(
             f"num_devices {options.num_devices} needs an MDP partition config; pass mdp_path (prepare_qaic writes one)"
         )
     argv = [
         compiler,
-        f"-m={os.fspath(onnx_path)}",
         "-aic-hw",
         f"-aic-hw-version={options.aic_hw_version}",
-        f"-aic-num-cores={options.num_cores}",
-        f"-network-specialization-config={os.fspath(specializations_path)}",
-        f"-custom-IO-list-file={os.fspath(custom_io_path)}",
+        f"-m={os.fspath(onnx_path)}",
         "-retained-state",
     ]
     if options.convert_to_fp16:
         argv.append("-convert-to-fp16")
     if options.mxfp6_matmul:
         argv.append("-mxfp6-matmul")
+    argv.append(f"-aic-num-cores={options.num_cores}")
     if options.mos is not None:
         argv.append(f"-mos={options.mos}")
     if options.aic_enable_depth_first:
         argv.append("-aic-enable-depth-first")
-    argv += ["-compile-only", f"-aic-binary-dir={os.fspath(qpc_dir)}"]
     if mdp_path is not None:
         argv.append(f"-mdp-load-partition-config={os.fspath(mdp_path)}")
+    argv += [
+        f"-network-specialization-config={os.fspath(specializations_path)}",
+        f"-custom-IO-list-file={os.fspath(custom_io_path)}",
+        f"-aic-binary-dir={os.fspath(qpc_dir)}",
+    ]
+    if Path(compiler).name == LEGACY_COMPILER_NAME:
+        argv.append("-compile-only")  # qaic-exec compiles and runs; this makes it only compile
     return argv
 
 
