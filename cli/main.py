@@ -61,12 +61,22 @@ def compile(
     weight_format: Annotated[
         str, typer.Option(help="ort: MatMul weights fp32, int8 or int4 (weight-only, MatMulNBits).")
     ] = "fp32",
-    aic_hw_version: Annotated[str, typer.Option(help="qaic: -aic-hw-version.")] = "ai100",
-    num_cores: Annotated[int, typer.Option(help="qaic: -aic-num-cores.")] = 16,
-    num_devices: Annotated[int, typer.Option(help="qaic: devices (>1 writes a partition config).")] = 1,
-    mxfp6_matmul: Annotated[bool, typer.Option(help="qaic: -mxfp6-matmul.")] = False,
+    aic_hw_version: Annotated[
+        Optional[str], typer.Option(help="qaic: -aic-hw-version, ai100 or ai200 (default: from qaic-util, else ai100).")
+    ] = None,
+    num_cores: Annotated[Optional[int], typer.Option(help="qaic: -aic-num-cores (default 16).")] = None,
+    num_devices: Annotated[Optional[int], typer.Option(help="qaic: devices (>1 writes a partition config).")] = None,
+    mxfp6_matmul: Annotated[bool, typer.Option(help="qaic: -mxfp6-matmul (MXFP6 weights).")] = False,
+    mxint8_kv_cache: Annotated[bool, typer.Option(help="qaic: KV cache in mxint8 (custom IO list).")] = False,
     mos: Annotated[Optional[int], typer.Option(help="qaic: -mos.")] = None,
     aic_enable_depth_first: Annotated[bool, typer.Option(help="qaic: -aic-enable-depth-first.")] = False,
+    qaic_option: Annotated[
+        Optional[list[str]],
+        typer.Option(help="qaic: one more -FLAG or -FLAG=VALUE for qaic-compile, verbatim (repeatable)."),
+    ] = None,
+    mdp_config: Annotated[
+        Optional[Path], typer.Option(help="qaic: your partition config (-mdp-load-partition-config), copied in.")
+    ] = None,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Package directory to write.")] = None,
     force: Annotated[bool, typer.Option(help="Rebuild even if an identical package exists.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the manifest summary as JSON.")] = False,
@@ -76,6 +86,7 @@ def compile(
     def work() -> None:
         from qspec.backends.qaic import QaicOptions
         from qspec.compile import CompileOptions, compile_package
+        from qspec.errors import ConfigError
         from qspec.specializations import make_config
 
         spec = make_config(
@@ -87,18 +98,26 @@ def compile(
             comp_ctx_lengths_prefill=comp_ctx_lengths_prefill,
             comp_ctx_lengths_decode=comp_ctx_lengths_decode,
         )
+        qaic_flags = {  # QaicOptions field: (flag, value if given)
+            "aic_hw_version": ("--aic-hw-version", aic_hw_version),
+            "num_cores": ("--num-cores", num_cores),
+            "num_devices": ("--num-devices", num_devices),
+            "mxfp6_matmul": ("--mxfp6-matmul", mxfp6_matmul or None),
+            "mxint8_kv_cache": ("--mxint8-kv-cache", mxint8_kv_cache or None),
+            "mos": ("--mos", mos),
+            "aic_enable_depth_first": ("--aic-enable-depth-first", aic_enable_depth_first or None),
+            "compiler_options": ("--qaic-option", qaic_option or None),
+            "mdp_config": ("--mdp-config", str(mdp_config.resolve()) if mdp_config else None),
+        }
+        qaic_given = {field: value for field, (_, value) in qaic_flags.items() if value is not None}
+        if backend != "qaic" and qaic_given:
+            flags = ", ".join(qaic_flags[field][0] for field in qaic_given)
+            raise ConfigError(f"{flags}: qaic-only; add --backend qaic, or drop them for the {backend} backend")
         options = CompileOptions.create(
             specialization=spec,
             spec_format=spec_format,
             backend=backend,
-            qaic=QaicOptions.create(
-                aic_hw_version=aic_hw_version,
-                num_cores=num_cores,
-                num_devices=num_devices,
-                mxfp6_matmul=mxfp6_matmul,
-                mos=mos,
-                aic_enable_depth_first=aic_enable_depth_first,
-            ),
+            qaic=QaicOptions.create(**qaic_given),
             num_layers=num_layers,
             weight_format=weight_format,
         )
@@ -124,8 +143,13 @@ def compile(
         )
         for spec in manifest.specializations:
             print(f"  {spec.describe()}")
-        if manifest.qaic and not manifest.qaic.ran:
-            print(f"qaic-compile not found: the command is in {folder / manifest.qaic.script}")
+        if manifest.qaic:
+            qaic = manifest.qaic
+            print(f"qaic: -aic-hw-version={qaic.aic_hw_version}, KV cache {qaic.kv_precision}")
+            for note in qaic.notes:
+                print(f"qaic: {note}")
+            if not qaic.ran:
+                print(f"qaic-compile not found: the command is in {folder / qaic.script}")
 
     run_guarded(work)
 

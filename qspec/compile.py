@@ -65,6 +65,26 @@ class CompileOptions(FrozenModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _qaic_options_need_qaic(self) -> CompileOptions:
+        given = qaic_options_given(self.qaic)
+        if self.backend != "qaic" and given:
+            raise ValueError(
+                f"{', '.join(given)} {'is a qaic option' if len(given) == 1 else 'are qaic options'}: "
+                f"add --backend qaic, or drop {'it' if len(given) == 1 else 'them'} for the {self.backend} backend"
+            )
+        return self
+
+
+def qaic_options_given(options: QaicOptions) -> list[str]:
+    """The qaic options that differ from their defaults, as ``num_cores=8``."""
+    defaults = QaicOptions()
+    return [
+        f"{name}={getattr(options, name)!r}"
+        for name in type(options).model_fields
+        if getattr(options, name) != getattr(defaults, name)
+    ]
+
 
 def default_output(model: str | os.PathLike[str], options: CompileOptions) -> Path:
     """``packages/<model name>-k<Ks>[-fbs<F>]`` under the working directory."""
@@ -83,10 +103,12 @@ def _inputs_key(digest: str, options: CompileOptions) -> str:
     from qspec.backends.ort_optimize import RECIPE_VERSION
     from qspec.export.exporter import EXPORT_FORMAT
 
+    # The vendor options shape only a qaic package: an ort package is reused whatever they say.
+    exclude = {"qaic"} if options.backend != "qaic" else set()
     payload = json.dumps(
         {
             "digest": digest,
-            "options": options.model_dump(mode="json"),
+            "options": options.model_dump(mode="json", exclude=exclude),
             "qspec": __version__,
             "export_format": EXPORT_FORMAT,
             "runtime_graph_recipe": RECIPE_VERSION,
