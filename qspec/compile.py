@@ -41,7 +41,12 @@ from qspec.package import (
     write_package_atomic,
 )
 from qspec.spec_file import SpecFormat, write_specializations
-from qspec.specializations import SpecializationConfig, build_specializations, check_model_speculative_config
+from qspec.specializations import (
+    SpecializationConfig,
+    build_specializations,
+    ccl_notes,
+    check_model_speculative_config,
+)
 
 Progress = Callable[[str], None]
 
@@ -84,6 +89,15 @@ def qaic_options_given(options: QaicOptions) -> list[str]:
         for name in type(options).model_fields
         if getattr(options, name) != getattr(defaults, name)
     ]
+
+
+def qaic_ccl_rule(options: CompileOptions) -> SpecializationConfig:
+    """The specialization config to build: on the qaic backend the CCL lists follow qaic-compile's rules
+    (:mod:`qspec.ccl`, rule ``qefficient``), which the manifest then records for the runtime."""
+    config = options.specialization
+    if options.backend != "qaic" or config.ccl_rule == "qefficient":
+        return config
+    return SpecializationConfig.create(**(config.model_dump() | {"ccl_rule": "qefficient"}))
 
 
 def default_output(model: str | os.PathLike[str], options: CompileOptions) -> Path:
@@ -138,6 +152,7 @@ def compile_package(
     warn = warn or (lambda message: None)
     start = time.perf_counter()
     target = Path(output) if output is not None else default_output(model, options)
+    spec_config = qaic_ccl_rule(options)  # a bad bucket list fails before any work
 
     source = resolve_source(model)
     say("hashing model files")
@@ -151,7 +166,6 @@ def compile_package(
         if existing is not None and existing.inputs_key == key and (target / runtime_graph_file(existing)).is_file():
             return target, existing, True
 
-    spec_config = options.specialization
     export_options = ExportOptions(
         continuous_batching=spec_config.continuous_batching,
         speculative=spec_config.speculative,
@@ -162,9 +176,10 @@ def compile_package(
         threading.Thread(target=_import_runtime_graph_tools, daemon=True).start()
     export_dir, meta = export_model(model, export_options, progress=say, digest=digest)
     messages = check_model_speculative_config(meta.model.speculative_config, spec_config.num_speculative_tokens)
+    specs = build_specializations(spec_config)
+    messages += ccl_notes(spec_config, specs)
     for message in messages:
         warn(message)
-    specs = build_specializations(spec_config)
     entry = ModelEntry(
         **meta.model.model_dump(),
         source=meta.source,
