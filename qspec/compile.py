@@ -126,9 +126,17 @@ def _inputs_key(digest: str, options: CompileOptions) -> str:
             "qspec": __version__,
             "export_format": EXPORT_FORMAT,
             "runtime_graph_recipe": RECIPE_VERSION,
+            "mdp_config": _file_digest(options.qaic.mdp_config) if options.backend == "qaic" else None,
         }
     )
     return hashlib.sha256(payload.encode()).hexdigest()[:24]
+
+
+def _file_digest(path: str | None) -> str | None:
+    """The user's partition file by content: an edited file rebuilds the package (a missing one fails later)."""
+    if path is None or not Path(path).is_file():
+        return None
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def compile_package(

@@ -52,7 +52,7 @@ def test_qaic_flags_without_qaic_backend_are_one_line_errors(tiny_model):
     assert errors == [expected]
 
 
-def test_qaic_options_cannot_touch_an_ort_package():
+def test_qaic_options_cannot_touch_an_ort_package(tmp_path):
     """The library refuses vendor options on the ort backend, and an ort package's inputs key leaves them out."""
     import pytest
 
@@ -69,3 +69,9 @@ def test_qaic_options_cannot_touch_an_ort_package():
     qaic_a = CompileOptions(specialization=spec, backend="qaic")
     qaic_b = CompileOptions(specialization=spec, backend="qaic", qaic=QaicOptions(num_cores=8))
     assert _inputs_key("d", qaic_a) != _inputs_key("d", qaic_b)  # a qaic package is rebuilt for new flags
+    parts = tmp_path / "parts.json"
+    parts.write_text('{"partitions": []}')
+    with_mdp = CompileOptions(specialization=spec, backend="qaic", qaic=QaicOptions(mdp_config=str(parts)))
+    before = _inputs_key("d", with_mdp)
+    parts.write_text('{"partitions": [], "connections": []}')
+    assert _inputs_key("d", with_mdp) != before  # an edited partition file rebuilds too
