@@ -145,7 +145,8 @@ def compile(
             print(f"  {spec.describe()}")
         if manifest.qaic:
             qaic = manifest.qaic
-            print(f"qaic: -aic-hw-version={qaic.aic_hw_version}, KV cache {qaic.kv_precision}")
+            if qaic.aic_hw_version is not None:  # None in a package of an older qspec
+                print(f"qaic: -aic-hw-version={qaic.aic_hw_version}, KV cache {qaic.kv_precision}")
             for note in qaic.notes:
                 print(f"qaic: {note}")
             if not qaic.ran:

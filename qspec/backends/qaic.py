@@ -139,8 +139,8 @@ class QaicResult(FrozenModel):
     onnx: str
     specializations: str
     options: QaicOptions
-    aic_hw_version: HwVersion  # what the command targets
-    kv_precision: str  # the custom IO precision of the KV cache
+    aic_hw_version: HwVersion | None = None  # what the command targets (None: a package of an older qspec)
+    kv_precision: str | None = None  # the custom IO precision of the KV cache (likewise)
     notes: list[str] = Field(default_factory=list)  # what was decided for the user, printed by ``qspec compile``
 
 
