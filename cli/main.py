@@ -61,6 +61,9 @@ def compile(
     weight_format: Annotated[
         str, typer.Option(help="ort: MatMul weights fp32, int8 or int4 (weight-only, MatMulNBits).")
     ] = "fp32",
+    hidden_states: Annotated[
+        bool, typer.Option(help="The graphs also return the final-norm hidden states (what a draft head reads).")
+    ] = False,
     aic_hw_version: Annotated[
         Optional[str], typer.Option(help="qaic: -aic-hw-version, ai100 or ai200 (default: from qaic-util, else ai100).")
     ] = None,
@@ -120,6 +123,7 @@ def compile(
             qaic=QaicOptions.create(**qaic_given),
             num_layers=num_layers,
             weight_format=weight_format,
+            hidden_states=hidden_states,
         )
         with status("compiling") as say:
             folder, manifest, reused = compile_package(
@@ -266,8 +270,10 @@ def generate(
 
 def _register_optional() -> None:
     """Commands that live in their own modules."""
+    from qspec_cli.heads import train_head
     from qspec_cli.serve import serve, serve_load
 
+    app.command("train-head")(train_head)
     app.command()(serve)
     app.command("serve-load")(serve_load)
     try:

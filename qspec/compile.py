@@ -18,7 +18,7 @@ from pathlib import Path
 
 from pydantic import Field, model_validator
 
-from qspec import __version__
+from qspec import __version__, contract
 from qspec.backends.qaic import QaicOptions, prepare_qaic
 from qspec.common import FrozenModel
 from qspec.errors import QSpecError
@@ -60,6 +60,13 @@ class CompileOptions(FrozenModel):
     qaic: QaicOptions = Field(default_factory=QaicOptions)
     num_layers: int | None = Field(default=None, ge=1)  # keep the first N layers (a draft model)
     weight_format: WeightFormat = "fp32"  # MatMul weights of the runtime graph (backend ort)
+    hidden_states: bool = False  # the graphs also return the final-norm hidden states (draft heads read them)
+    draft_head: str | None = None  # a draft head checkpoint folder (EAGLE-1, Medusa, turbo): PACKAGE/head/
+
+    @property
+    def exports_hidden_states(self) -> bool:
+        """A draft head reads the target's hidden states: its package's graphs return them."""
+        return self.hidden_states or self.draft_head is not None
 
     @model_validator(mode="after")
     def _vendor_compresses_its_own_weights(self) -> CompileOptions:
@@ -117,8 +124,9 @@ def _inputs_key(digest: str, options: CompileOptions) -> str:
     from qspec.backends.ort_optimize import RECIPE_VERSION
     from qspec.export.exporter import EXPORT_FORMAT
 
-    # The vendor options shape only a qaic package: an ort package is reused whatever they say.
-    exclude = {"qaic"} if options.backend != "qaic" else set()
+    # The vendor options shape only a qaic package: an ort package is reused whatever they say. A draft
+    # head counts by its content (below), not its path.
+    exclude = {"draft_head"} | ({"qaic"} if options.backend != "qaic" else set())
     payload = json.dumps(
         {
             "digest": digest,
@@ -128,6 +136,7 @@ def _inputs_key(digest: str, options: CompileOptions) -> str:
             "runtime_graph_recipe": RECIPE_VERSION,
             "mdp_config": _file_digest(options.qaic.mdp_config) if options.backend == "qaic" else None,
         }
+        | ({"draft_head": _head_digest(options.draft_head)} if options.draft_head else {})
     )
     return hashlib.sha256(payload.encode()).hexdigest()[:24]
 
@@ -137,6 +146,14 @@ def _file_digest(path: str | None) -> str | None:
     if path is None or not Path(path).is_file():
         return None
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _head_digest(head_dir: str | None) -> str | None:
+    if head_dir is None:
+        return None
+    from qspec.heads.package import head_digest
+
+    return head_digest(head_dir)
 
 
 def compile_package(
@@ -179,6 +196,7 @@ def compile_package(
         speculative=spec_config.speculative,
         comp_ctx_lengths=spec_config.comp_ctx_lengths,
         num_layers=options.num_layers,
+        hidden_states=options.exports_hidden_states,
     )
     if options.backend == "ort":  # while the export runs in its own process: the next step's imports (~3 s)
         threading.Thread(target=_import_runtime_graph_tools, daemon=True).start()
@@ -197,6 +215,7 @@ def compile_package(
         speculative=export_options.speculative,
         comp_ctx_lengths=export_options.comp_ctx_lengths,
         truncated_layers=options.num_layers,
+        hidden_states=options.exports_hidden_states,
     )
 
     runtime_graph = None
@@ -232,6 +251,21 @@ def compile_package(
                 specializations_path=folder / SPECIALIZATIONS_FILE,
                 num_layers=entry.num_layers,
                 options=options.qaic,
+                feature_outputs=(contract.HIDDEN_STATES,) if options.exports_hidden_states else (),
+            )
+        if options.draft_head is not None:
+            from qspec.heads.package import compile_head
+
+            compile_head(
+                options.draft_head,
+                folder,
+                config=spec_config,
+                target_fingerprint=meta.key,
+                weight_format=options.weight_format,
+                backend=options.backend,
+                spec_format=options.spec_format,
+                qaic=options.qaic,
+                progress=say,
             )
         manifest = Manifest(
             inputs_key=key,

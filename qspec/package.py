@@ -93,6 +93,7 @@ class ModelEntry(ModelInfo):
     export_key: str
     continuous_batching: bool
     comp_ctx_lengths: bool = False  # the graph has the `comp_ctx_lengths` input
+    hidden_states: bool = False  # the graphs have the `hidden_states` output (a draft head reads it)
     speculative: bool
     truncated_layers: int | None = None
 

@@ -66,6 +66,7 @@ class Graph:
         self._bound = {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in self.kv.items()}
         self.speculative = meta.options.speculative
         self.bucketed = meta.options.comp_ctx_lengths
+        self.hidden = None  # [batch, seq, hidden] of the last call, on a graph with the hidden_states output
 
     def run(self, ids, pos, *, keep: int = 1, batch_index=None, ccl: int = CTX):
         feeds = {contract.INPUT_IDS: np.array(ids, np.int64), contract.POSITION_IDS: np.array(pos, np.int64)}
@@ -81,9 +82,22 @@ class Graph:
         for name, value in self._bound.items():  # wraps self.kv's arrays: the call updates them in place
             binding.bind_ortvalue_input(name, value)
             binding.bind_ortvalue_output(contract.retained(name), value)
-        binding.bind_output(contract.LOGITS)
+        outputs = [o.name for o in self.session.get_outputs() if not o.name.endswith(contract.RETAINED_STATE_SUFFIX)]
+        for name in outputs:
+            binding.bind_output(name)
         self.session.run_with_iobinding(binding)
-        return binding.get_outputs()[-1].numpy()  # [batch, keep, vocab]
+        values = dict(zip(outputs, binding.get_outputs()[-len(outputs) :]))
+        self.hidden = values[contract.HIDDEN_STATES].numpy() if contract.HIDDEN_STATES in values else None
+        return values[contract.LOGITS].numpy()  # [batch, keep, vocab]
+
+
+def reference_hidden(folder, tokens):
+    """Final-norm hidden states of the PyTorch model over the whole sequence: [len, hidden]."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([tokens]), output_hidden_states=True).hidden_states[-1][0].numpy()
 
 
 def reference_logits(folder, tokens):
@@ -226,6 +240,36 @@ def test_continuous_batching_rows_of_unequal_lengths(exported, graph_kind, famil
     if graph_kind != "vendor":
         ops = {node.op_type for node in onnx.load(str(graph_path(folder, meta, graph_kind))).graph.node}
         assert "NonZero" in ops and "Pad" not in ops  # live tokens gathered; attention's zero tokens scattered
+
+
+@pytest.mark.parametrize("graph_kind", GRAPHS)
+@pytest.mark.parametrize("family,batching", [("llama", False), ("qwen3", False), ("llama", True), ("qwen2", True)])
+def test_hidden_states_output(exported, family, batching, graph_kind):
+    """With ``hidden_states`` the graph also returns every live position's final-norm hidden state (PyTorch's
+    ``hidden_states[-1]``, within 1e-4), and its logits are bit for bit those of the graph without it."""
+    model_dir, plain_folder, plain_meta = exported(family, continuous_batching=batching)
+    _, folder, meta = exported(family, continuous_batching=batching, hidden_states=True)
+    dims = graph_dims(graph_path(folder, meta, graph_kind))
+    assert dims[contract.HIDDEN_STATES][:2] == [contract.BATCH_SIZE, contract.SEQ_LEN]
+    assert contract.HIDDEN_STATES not in graph_dims(graph_path(plain_folder, plain_meta, graph_kind))
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(3, 259, size=9).tolist()
+    index = {"batch_index": [0]} if batching else {}
+    rows = 2 if batching else 1
+    graphs = [Graph(f, m, rows=rows, graph=graph_kind) for f, m in ((plain_folder, plain_meta), (folder, meta))]
+    calls = [  # a prefill chunk, a padded chunk, a K=2 verify, a one-token call
+        ([prompt[:4]], [[0, 1, 2, 3]], 1),
+        ([prompt[4:6] + [0]], [[4, 5, -1]], 1),
+        ([prompt[6:9]], [[6, 7, 8]], 3),
+        ([[prompt[8]]], [[8]], 1),
+    ]
+    ref = reference_hidden(model_dir, prompt)
+    for ids, pos, keep in calls:
+        plain, with_hidden = (g.run(ids, pos, keep=keep, **index) for g in graphs)
+        assert np.array_equal(plain, with_hidden)
+        live = [p for p in pos[0] if p >= 0]
+        assert graphs[1].hidden.shape[:2] == (1, len(pos[0]))
+        np.testing.assert_allclose(graphs[1].hidden[0, : len(live)], ref[live], atol=TOL)
 
 
 def test_non_speculative_graph_keeps_one_logit(exported):

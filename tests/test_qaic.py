@@ -576,3 +576,17 @@ def test_prepare_compiler_options_reach_the_compiler(package, fake_compiler):
     info = prepare(package, options=QaicOptions(compiler_options=("-ols=2", "-allow-mxint8-mdp-io")))
     record = json.loads((package / "qpc" / "fake_qaic_argv.json").read_text())
     assert info.ran and "-ols=2" in record["argv"] and "-allow-mxint8-mdp-io" in record["argv"]
+
+
+def test_prepare_lists_feature_outputs(package, fake_compiler):
+    """A target graph with a hidden_states output lists it in custom IO (float16), and the stand-in, which
+    finds it among the graph's names, compiles it; without the entry the stand-in refuses."""
+    model = onnx.load(package / "model.onnx")
+    model.graph.node.append(helper.make_node("Identity", [contract.LOGITS], [contract.HIDDEN_STATES]))
+    model.graph.output.append(helper.make_tensor_value_info(contract.HIDDEN_STATES, TensorProto.FLOAT, None))
+    onnx.save(model, package / "model.onnx")
+    with pytest.raises(CompileError, match="hidden_states of the network is missing"):
+        prepare(package)
+    info = prepare(package, feature_outputs=(contract.HIDDEN_STATES,))
+    assert info.ran
+    assert (package / "custom_io.yaml").read_text().endswith(" - IOName: hidden_states\n   Precision: float16\n\n")

@@ -193,6 +193,8 @@ def fuse_attention(
         _pack_live_tokens(graph, inputs, shared)
     if trim_rows:
         _trim_rows(graph, inputs, shared)
+    if (pack_tokens or trim_rows) and contract.HIDDEN_STATES in outputs:
+        _restore_hidden_states(graph, inputs, shared, packed=pack_tokens)
     graph.sort()
     model.opset_imports[MS_DOMAIN] = 1
     from onnxscript import optimizer
@@ -420,6 +422,37 @@ def _trim_rows(graph, inputs, shared: dict) -> None:
     out.shape, out.type = logits.shape, logits.type
     logits.name = "rows.live_logits"
     out.name = contract.LOGITS
+    graph.outputs[index] = out
+    graph.extend(nodes)
+
+
+def _restore_hidden_states(graph, inputs, shared: dict, *, packed: bool) -> None:
+    """The ``hidden_states`` output back in the contract's ``[batch, seq_len, hidden]``: its norm ran on
+    the live tokens only (``[1, live, hidden]`` packed, ``[rows, seq, hidden]`` trimmed); the other
+    entries are zeros (padding has no hidden state a caller reads)."""
+    import onnx_ir as ir
+
+    index, hidden = next((i, v) for i, v in enumerate(graph.outputs) if v.name == contract.HIDDEN_STATES)
+    nodes = []
+    op, constant = _builder(graph, nodes, "hidden")
+    one = constant("one", np.array(1, np.int64))
+    axis0 = constant("axis0", np.array([0], np.int64))
+    call_shape = op("Shape", inputs[contract.POSITION_IDS])  # [batch, seq]
+    if packed:
+        shape = op("Concat", call_shape, op("Shape", hidden, start=2), axis=0)
+        zeros = op("Expand", constant("zero_float", np.zeros(1, np.float32)), shape)
+        axis1 = constant("axis1", np.array([1], np.int64))
+        rows, slots = (op("Unsqueeze", shared[name], axis1) for name in ("live_rows", "live_slots"))
+        targets = op("Concat", rows, slots, axis=1)  # [live, 2]: row, slot
+        out = op("ScatterND", zeros, op("Unsqueeze", targets, axis0), hidden)
+    else:
+        missing = op("Sub", op("Gather", call_shape, one), op("Gather", op("Shape", hidden), one))
+        zeros = constant("zeros_4", np.zeros(4, np.int64))
+        pads = op("Concat", zeros, op("Unsqueeze", missing, axis0), constant("zero_1d", np.zeros(1, np.int64)), axis=0)
+        out = op("Pad", hidden, pads)  # [rows, seq, hidden] padded at the end of axis 1
+    out.shape, out.type = ir.Shape(list(hidden.shape)), hidden.type  # a copy: inference may reshape `hidden`
+    hidden.name = "hidden.live_hidden_states"
+    out.name = contract.HIDDEN_STATES
     graph.outputs[index] = out
     graph.extend(nodes)
 

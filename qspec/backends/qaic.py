@@ -107,6 +107,12 @@ class QaicOptions(FrozenModel):
     compiler_options: tuple[str, ...] = ()
     mdp_config: str | None = None
 
+    @property
+    def io_float_dtype(self) -> KvDtype:
+        """The float precision of a float32 network's KV (mxint8 aside) and feature IO on device:
+        ``kv_dtype`` when given, else float16 with fp16 conversion (the default), float32 without."""
+        return self.kv_dtype or ("float32" if self.convert_to_fp16 is False else "float16")
+
     @field_validator("compiler_options")
     @classmethod
     def _check_compiler_options(cls, value: tuple[str, ...]) -> tuple[str, ...]:
@@ -373,14 +379,17 @@ def prepare_qaic(
     num_layers: int,
     options: QaicOptions,
     graph_dtype: GraphDtype = "float32",
+    feature_outputs: tuple[str, ...] = (),
     run: bool | None = None,
 ) -> QaicResult:
     """Write the vendor files and ``compile_qaic.sh`` into ``package_dir``; compile if possible.
 
     The hardware version is ``options.aic_hw_version`` or detected (:func:`detect_hw_version`); the
     precisions follow QEfficient for a ``graph_dtype`` network on that card. ``run=None`` compiles
-    when a compiler is found, ``run=True`` requires one, ``run=False`` only writes files. Returns
-    the manifest entry of the backend (paths relative to the package).
+    when a compiler is found, ``run=True`` requires one, ``run=False`` only writes files.
+    ``feature_outputs`` (``hidden_states`` for a draft head) join the custom IO list in the float
+    precision a head's inputs take (:attr:`QaicOptions.io_float_dtype`), so they pass unconverted.
+    Returns the manifest entry of the backend (paths relative to the package).
     """
     package_dir = Path(package_dir)
     onnx_rel = _relative(onnx_path, package_dir)
@@ -393,7 +402,9 @@ def prepare_qaic(
         convert_to_fp16=options.convert_to_fp16,
         kv_dtype=options.kv_dtype,
     )
-    write_text_atomic(package_dir / CUSTOM_IO_FILE, custom_io_yaml(num_layers, kv_dtype=precisions.kv_precision))
+    features = "".join(f" - IOName: {name}\n   Precision: {options.io_float_dtype}\n\n" for name in feature_outputs)
+    custom_io = custom_io_yaml(num_layers, kv_dtype=precisions.kv_precision) + features
+    write_text_atomic(package_dir / CUSTOM_IO_FILE, custom_io)
     mdp_rel = _write_mdp(package_dir, options)
 
     compiler = _resolve_compiler(run)

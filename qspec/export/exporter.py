@@ -47,6 +47,7 @@ class ExportOptions(BaseModel):
     speculative: bool = True  # `num_logits_to_keep` input: logits of the last K + 1 positions
     comp_ctx_lengths: bool = False  # `comp_ctx_lengths` input: its length bounds the KV slots attention reads
     num_layers: int | None = Field(default=None, ge=1)  # keep only the first N decoder layers
+    hidden_states: bool = False  # `hidden_states` output: the final-norm state of every position (draft heads)
 
 
 class ExportMeta(BaseModel):
@@ -275,6 +276,7 @@ def trace_to_onnx(model, path: Path, options: ExportOptions, info: ModelInfo, sa
         continuous_batching=options.continuous_batching,
         speculative=options.speculative,
         comp_ctx_lengths=options.comp_ctx_lengths,
+        hidden_states=options.hidden_states,
     ).eval()
     times = trace.TraceTimes()
     with _quiet(), torch.no_grad():
@@ -308,6 +310,8 @@ def expected_dims(num_layers: int, options: ExportOptions, vocab_size: int) -> d
     dims |= {name: kv for name in contract.kv_names(num_layers)}
     keep = contract.NUM_LOGITS_TO_KEEP if options.speculative else 1
     dims[contract.LOGITS] = [contract.BATCH_SIZE, keep, vocab_size]
+    if options.hidden_states:
+        dims[contract.HIDDEN_STATES] = [contract.BATCH_SIZE, contract.SEQ_LEN, None]
     return dims | {contract.retained(name): kv for name in contract.kv_names(num_layers)}
 
 

@@ -151,7 +151,8 @@ def piece_specs(lm: nn.Module, info, options) -> list[PieceSpec]:
         examples.append(torch.zeros(2, 1, dtype=torch.int64))
         shapes.append({0: Dim("keep_epilogue", min=1)})
     run = lm.epilogue if options.speculative else (lambda hidden, valid: lm.epilogue(hidden, valid, None))
-    specs.append(PieceSpec("epilogue", run, names, examples, shapes, [contract.LOGITS]))
+    outputs = [contract.LOGITS] + ([contract.HIDDEN_STATES] if options.hidden_states else [])
+    specs.append(PieceSpec("epilogue", run, names, examples, shapes, outputs))
     return specs
 
 
@@ -369,16 +370,18 @@ def compose(lm: nn.Module, pieces: dict[str, Piece], options):
             *(weight(t, f"epilogue.{i}") for i, t in enumerate(epilogue.weights)),
         ],
         domain=DOMAIN,
-        num_outputs=1,
+        num_outputs=len(epilogue.function.graph.outputs),
     )
     nodes.append(epi)
-    logits = epi.outputs[0]
-    logits.name, logits.type = contract.LOGITS, epilogue.function.graph.outputs[0].type
-    logits.shape = ir.Shape(want[contract.LOGITS])
+    outputs = []
+    for value, traced in zip(epi.outputs, epilogue.function.graph.outputs):
+        value.name, value.type = traced.name.split("/")[-1], traced.type
+        value.shape = ir.Shape([w if w is not None else traced.shape[i] for i, w in enumerate(want[value.name])])
+        outputs.append(value)
 
     graph = ir.Graph(
         inputs,
-        [logits, *retained],
+        [*outputs, *retained],
         nodes=nodes,
         initializers=list(initializers.values()),
         opset_imports={"": OPSET, DOMAIN: 1},

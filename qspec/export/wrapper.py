@@ -150,12 +150,20 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 class KVExplicitLM(nn.Module):
-    """``forward(input_ids, position_ids, [batch_index], [num_logits_to_keep], *kv) -> logits, *kv'``."""
+    """``forward(input_ids, position_ids, [batch_index], [num_logits_to_keep], *kv)``
+    ``-> logits, [hidden_states], *kv'``."""
 
     def __init__(
-        self, model: nn.Module, *, continuous_batching: bool, speculative: bool, comp_ctx_lengths: bool = False
+        self,
+        model: nn.Module,
+        *,
+        continuous_batching: bool,
+        speculative: bool,
+        comp_ctx_lengths: bool = False,
+        hidden_states: bool = False,
     ):
         super().__init__()
+        self.hidden_states = hidden_states  # also return the final-norm hidden state of every position
         self.model = model
         self.config = model.config
         self.adapter = adapter_for(model.config)
@@ -186,7 +194,8 @@ class KVExplicitLM(nn.Module):
             kv = (rest[2 * i], rest[2 * i + 1])
             hidden, keys, values = self.layer_step(i, hidden, *shared, batch_index, *kv, ccl)
             new_kv.extend((keys, values))
-        return (self.epilogue(hidden, shared[-1], num_logits), *new_kv)
+        out = self.epilogue(hidden, shared[-1], num_logits)
+        return (*(out if self.hidden_states else (out,)), *new_kv)
 
     # The three pieces below are the whole computation. `forward` chains them; the exporter traces
     # each piece once (one layer per distinct layer signature) and chains the traced graphs.
@@ -226,14 +235,21 @@ class KVExplicitLM(nn.Module):
         return hidden, keys, values
 
     def epilogue(self, hidden, valid, num_logits_to_keep):
-        """Logits of the last ``num_logits_to_keep`` real tokens of each (right-padded) row."""
+        """Logits of the last ``num_logits_to_keep`` real tokens of each (right-padded) row, and with
+        :attr:`hidden_states` the final-norm hidden state of every position (what a draft head reads).
+
+        The hidden states come from a norm of their own, so the logits' computation is the one without them.
+        """
         batch, seq, width = hidden.shape
         num_logits = num_logits_to_keep.shape[0] if num_logits_to_keep is not None else 1
         steps = torch.arange(seq, dtype=torch.int64)
         last = (valid.to(torch.int64) * steps).amax(dim=1, keepdim=True)  # [batch, 1]
         keep = (last - (num_logits - 1) + torch.arange(num_logits, dtype=torch.int64)).clamp(min=0)
         picked = hidden.gather(1, keep.unsqueeze(-1).expand(batch, num_logits, width))
-        return self.model.lm_head(self.model.model.norm(picked)).float()  # [batch, keep, vocab]
+        logits = self.model.lm_head(self.model.model.norm(picked)).float()  # [batch, keep, vocab]
+        if not self.hidden_states:
+            return logits
+        return logits, self.model.model.norm(hidden).float()  # [batch, seq, hidden]
 
     def layer_signature(self, i: int) -> tuple:
         """Layers with equal signatures trace to the same graph (only their weights differ)."""

@@ -43,6 +43,9 @@ class Binding:
     batch_index: np.ndarray | None  # [batch_size, 1], continuous batching only
     logits: np.ndarray  # [batch_size, num_logits_to_keep, vocab]: each row's last real tokens, right-aligned
     comp_ctx_lengths: np.ndarray | None = None  # [comp_ctx_lengths]: only its length matters
+    # [batch_size, seq_len, hidden]: every live position's final-norm hidden state, on a package compiled for
+    # a draft head (``manifest.model.hidden_states``); padding entries are unspecified.
+    hidden_states: np.ndarray | None = None
 
     def reset(self) -> None:
         """Every row padding: token 0 at PAD_POSITION."""

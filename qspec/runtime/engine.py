@@ -52,7 +52,7 @@ from qspec.runtime.dispatch import (
 from qspec.runtime.metrics import EngineMetrics, aggregate
 from qspec.runtime.prefill import PrefillRow, run_prefill
 from qspec.runtime.proposal import Proposal, Proposer
-from qspec.runtime.proposers import make_proposer
+from qspec.runtime.proposers import HEAD_METHODS, make_proposer
 from qspec.runtime.request import (
     Prompt,
     RequestDelta,
@@ -123,7 +123,11 @@ class Engine:
         )
         self.tokenizer = Tokenizer(self.model.package / TOKENIZER_DIR)
         self.method = method
+        if method in HEAD_METHODS and proposer is None:  # the head lives in the target's package
+            method_options = {"package": self.model.package, "num_threads": num_threads} | method_options
         self.proposer: Proposer = proposer or make_proposer(method, **method_options)
+        if self.proposer.wants_hidden_states and not self.model.manifest.model.hidden_states:
+            raise ConfigError(f"method {method} reads hidden states: {package} has none; compile it with --draft-head")
         self.ks = restrict_ks(self.model.ks, num_speculative_tokens)
         self.k_max = self.ks[-1] if method != "none" else 0
         slots = self.model.rows
@@ -181,7 +185,11 @@ class Engine:
         """Run the prompts of ``group`` (from what a mixed call already wrote) in chunks of
         ``prefill_seq_len``; sets each one's first token."""
         rows = [PrefillRow(seq.slot, seq.prompt[seq.prefilled :], start=seq.prefilled) for seq in group]
-        self.calls["prefill"] += run_prefill(self.model, rows, lambda i, logits: self._first_token(group[i], logits))
+        on_hidden = None
+        if self.proposer.wants_hidden_states:
+            on_hidden = lambda i, start, hidden: self.proposer.observe_hidden(group[i].index, start, hidden)  # noqa: E731
+        first = lambda i, logits: self._first_token(group[i], logits)  # noqa: E731
+        self.calls["prefill"] += run_prefill(self.model, rows, first, on_hidden)
 
     def _first_token(self, seq: SequenceState, logits: np.ndarray) -> None:
         """The prompt is in the cache: sample the first token from ``logits`` [1, vocab] after it."""
@@ -210,8 +218,9 @@ class Engine:
         k: int,
         batch: list[tuple[SequenceState, np.ndarray]],
         chunks: Sequence[tuple[SequenceState, int, list[int]]] = (),
-    ) -> np.ndarray:
-        """One call of the ``seq_len = k + 1`` specialization; logits ``[rows, k + 1, vocab]``. With
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """One call of the ``seq_len = k + 1`` specialization; logits ``[rows, k + 1, vocab]`` and, on a package
+        with the ``hidden_states`` output, the hidden states ``[rows, seq_len, hidden]`` (left-aligned). With
         ``chunks`` (``(seq, start, tokens)`` of prompts being prefilled) the call is that shape made as wide
         as a prefill chunk (:meth:`LoadedModel.mixed_for`); a chunk's last logits are ``[seq.slot, -1]``."""
         end = max([seq.position + len(drafts) + 1 for seq, drafts in batch] + [s + len(t) for _, s, t in chunks])
@@ -235,7 +244,7 @@ class Engine:
         if isinstance(self.call_ms, CallCosts) and not chunks:  # a chunk's tokens are not K's price
             live = sum(len(drafts) + 1 for _, drafts in batch)
             self.call_ms.observe(k, (time.perf_counter() - begin) * 1000, live)
-        return logits
+        return logits, bound.hidden_states
 
     def accept(self, seq: SequenceState, proposal: Proposal, logits: np.ndarray) -> list[int]:
         """Accepted drafts plus the bonus, from this row's ``[n + 1, vocab]`` logits."""
@@ -288,8 +297,11 @@ class Engine:
         k, depths = self.plan(live, proposals)
         batch = [(seq, p.cut(depth)) for seq, p, depth in zip(live, proposals, depths)]
         chunks = self.next_chunks()
-        logits = self.verify(k, [(seq, p.tokens) for seq, p in batch], chunks)  # [rows, k + 1, vocab]
+        logits, hidden = self.verify(k, [(seq, p.tokens) for seq, p in batch], chunks)  # [rows, k + 1, vocab]
+        hidden = hidden if self.proposer.wants_hidden_states else None
         for seq, start, tokens in chunks:
+            if hidden is not None:
+                self.proposer.observe_hidden(seq.index, start, hidden[seq.slot, : len(tokens)])
             seq.prefilled = start + len(tokens)
             if seq.prefill_done:  # it decodes from the next step
                 self._prefilling.remove(seq)
@@ -301,6 +313,8 @@ class Engine:
             seq.metrics.target_call(k, proposed=n, accepted=len(tokens) - 1)
             if n:
                 self.stats.observe(n, len(tokens) - 1, proposal.match_len)
+            if hidden is not None:  # the rows of `last` and the accepted drafts: each precedes an emitted token
+                self.proposer.observe_hidden(seq.index, seq.position, hidden[seq.slot, : len(tokens)])
             seq.position += len(tokens)  # `last` and the accepted drafts are now in the cache
             self._emit(seq, tokens)
 

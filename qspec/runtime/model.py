@@ -136,6 +136,12 @@ class CompiledModel(LoadedModel):
         if arrays["comp_ctx_lengths"] is not None:
             values.append(ort.OrtValue.ortvalue_from_numpy(arrays["comp_ctx_lengths"]))
             binding.bind_ortvalue_input(contract.COMP_CTX_LENGTHS, values[-1])
+        hidden = next((o for o in session.get_outputs() if o.name == contract.HIDDEN_STATES), None)
+        if hidden is not None:
+            rows, seq = arrays["input_ids"].shape
+            arrays["hidden_states"] = np.zeros((rows, seq, hidden.shape[-1]), dtype=np.float32)
+            values.append(ort.OrtValue.ortvalue_from_numpy(arrays["hidden_states"]))
+            binding.bind_ortvalue_output(contract.HIDDEN_STATES, values[-1])
         if self.speculative:
             keep_n = arrays["logits"].shape[1]
             values.append(ort.OrtValue.ortvalue_from_numpy(np.zeros((keep_n, 1), dtype=np.int64)))

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 
 OnLast = Callable[[int, np.ndarray], None]  # (row index, logits [1, vocab] after the row's last token)
+# (row index, first position, hidden [n, hidden]): the final-norm hidden states of a chunk's n tokens
+OnHidden = Callable[[int, int, np.ndarray], None]
 
 
 @dataclass(frozen=True)
@@ -69,14 +71,15 @@ def chunk_shape(model, rows: int, rest: int) -> int | None:
     return best_k
 
 
-def run_prefill(model, rows: Sequence[PrefillRow], on_last: OnLast) -> int:
+def run_prefill(model, rows: Sequence[PrefillRow], on_last: OnLast, on_hidden: OnHidden | None = None) -> int:
     """Write every row's tokens into its slot, chunk by chunk; returns the calls made.
 
     Chunks are the prefill ``seq_len``, the last one possibly a decode shape (:func:`chunk_shape`).
     Rows go ``batch_size`` per call under continuous batching (all in one call otherwise, each on
     its slot's row). ``on_last(i, logits)`` is called once per row, with the logits after row
     ``i``'s last token, as soon as the chunk holding it has run. Each chunk runs in the smallest
-    compute-context-length bucket that holds its positions.
+    compute-context-length bucket that holds its positions. ``on_hidden``, on a package with the
+    ``hidden_states`` output, receives every chunk's hidden states (a draft head reads them).
     """
     indexed = list(enumerate(rows))
     per_call = model.prefill.spec.batch_size if model.prefill.batch_index is not None else len(indexed)
@@ -100,6 +103,11 @@ def run_prefill(model, rows: Sequence[PrefillRow], on_last: OnLast) -> int:
             # [rows, num_logits_to_keep, vocab], right-aligned: [r, -1] follows row r's last real token
             logits = model.run(bound)
             calls += 1
+            if on_hidden is not None and bound.hidden_states is not None:
+                for r, i in placed:
+                    piece = len(rows[i].tokens[offset : offset + width])
+                    if piece:
+                        on_hidden(i, rows[i].start + offset, bound.hidden_states[r, :piece])
             for r, i in placed:
                 if offset < len(rows[i].tokens) <= offset + width:
                     on_last(i, logits[r, -1:])

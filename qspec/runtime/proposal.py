@@ -76,8 +76,13 @@ class Proposer(ABC):
 
     A proposer implements ``start``, ``extend``, ``propose`` and ``finish``; one that drafts a
     whole batch at once (a draft model) overrides ``propose_batch``; one with requirements on the
-    target (a draft model: vocabulary, context, KV slots) overrides ``check_target``.
+    target (a draft model: vocabulary, context, KV slots) overrides ``check_target``. One that reads
+    the target's hidden states (EAGLE, Medusa heads) sets ``wants_hidden_states`` and implements
+    ``observe_hidden``: the engine then hands it every computed position's hidden state before the
+    ``extend`` of the tokens that follow them.
     """
+
+    wants_hidden_states: bool = False
 
     @abstractmethod
     def start(
@@ -100,6 +105,11 @@ class Proposer(ABC):
     @abstractmethod
     def finish(self, request_id: RequestId) -> None:
         """Forget ``request_id`` (a proposer may keep what it learned from it)."""
+
+    def observe_hidden(self, request_id: RequestId, start: int, hidden: np.ndarray) -> None:
+        """The target's final-norm hidden states ``[n, hidden]`` at positions ``start .. start + n - 1`` of the
+        request (prompt chunks, then each step's verified rows up to the bonus). Only when ``wants_hidden_states``."""
+        raise NotImplementedError(f"{type(self).__name__} does not read hidden states")
 
     def proposal(self, request_id: RequestId, k: int) -> Proposal:
         """:meth:`propose`'s drafts as a :class:`Proposal`; a proposer that measures its match overrides

@@ -296,12 +296,31 @@ class UserProposer(Proposer):
 # --------------------------------------------------------------------------------------------
 
 
+def _head_proposer(method: str) -> Callable[..., Proposer]:
+    """``eagle``/``medusa``: the package's head; ``eagle+pld``/``medusa+pld``: prompt lookup first."""
+
+    def make(prompt_lookup_min: int | None = None, prompt_lookup_max: int | None = None, **knobs: Any) -> Proposer:
+        from qspec.runtime.heads import LookupFirstProposer, load_head_proposer  # loads a graph: only when asked
+
+        head = load_head_proposer(method.removesuffix("+pld"), **knobs)
+        if not method.endswith("+pld"):
+            return head
+        lookup = PromptLookupProposer(
+            prompt_lookup_min or DEFAULT_PROMPT_LOOKUP_MIN, prompt_lookup_max or DEFAULT_PROMPT_LOOKUP_MAX
+        )
+        return LookupFirstProposer(lookup, head)
+
+    return make
+
+
 def _draft_proposer(**knobs: Any) -> Proposer:
     from qspec.runtime.draft import DraftProposer  # loads a model: imported only when asked for
 
     return DraftProposer(**knobs)
 
 
+_HEAD_KNOBS = ("package", "draft_confidence_threshold", "num_threads")
+_LOOKUP_KNOBS = ("prompt_lookup_min", "prompt_lookup_max")
 # method -> (factory, its knobs, the knobs it cannot do without)
 _PROPOSERS: dict[str, tuple[Callable[..., Proposer], tuple[str, ...], tuple[str, ...]]] = {
     "none": (NoProposer, (), ()),
@@ -330,9 +349,18 @@ _PROPOSERS: dict[str, tuple[Callable[..., Proposer], tuple[str, ...], tuple[str,
         ),
         ("draft_package",),
     ),
+    # Heads that read the target's hidden states, inside the target's package (the engine passes it).
+    **{
+        method: (_head_proposer(method), _HEAD_KNOBS + (_LOOKUP_KNOBS if "+" in method else ()), ("package",))
+        for method in ("eagle", "medusa", "eagle+pld", "medusa+pld")
+    },
 }
 PROPOSER_METHODS = tuple(_PROPOSERS)
-_FIXES = {"draft_package": "compile one with `qspec compile --num-layers N`"}
+_FIXES = {
+    "draft_package": "compile one with `qspec compile --num-layers N`",
+    "package": "the target package holds the head: `qspec compile ... --draft-head DIR`",
+}
+HEAD_METHODS = ("eagle", "medusa", "eagle+pld", "medusa+pld")  # the target's package holds the head
 
 
 def make_proposer(method: str, **knobs: Any) -> Proposer:

@@ -1,0 +1,77 @@
+"""``qspec train-head``: a thin Typer layer over :func:`qspec.heads.distill.distill_head`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from qspec_cli.common import console, run_guarded
+
+
+def train_head(
+    package: Annotated[Path, typer.Argument(help="Package compiled with --hidden-states (the head serves it).")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Folder for the head (EAGLE-1 or Medusa layout).")],
+    method: Annotated[
+        str, typer.Option(help="eagle (one decoder layer, chained) or medusa (parallel heads).")
+    ] = "eagle",
+    data: Annotated[
+        Optional[Path],
+        typer.Option(help='JSON lines of prompts ({"messages": [...]} or {"prompt": ...}); default: chit-chat.'),
+    ] = None,
+    prompts: Annotated[int, typer.Option(help="Prompts the package answers (its greedy output is the data).")] = 1500,
+    dialogues: Annotated[int, typer.Option(help="Chit-chat dialogues teacher-forced through the package.")] = 500,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens of each generated answer, at most.")] = 128,
+    epochs: Annotated[int, typer.Option(help="Training epochs.")] = 4,
+    draft_vocab: Annotated[int, typer.Option(help="Draft vocabulary: the most frequent greedy tokens.")] = 8192,
+    medusa_heads: Annotated[int, typer.Option(help="medusa: heads (drafts per call).")] = 3,
+    lr: Annotated[float, typer.Option(help="Peak learning rate (AdamW, warm-up then cosine).")] = 1e-3,
+    seed: Annotated[int, typer.Option(help="Seed of prompts, split, order and initialisation.")] = 0,
+    target: Annotated[
+        Optional[str], typer.Option(help="The model the package was compiled from (default: the manifest's source).")
+    ] = None,
+    work_dir: Annotated[
+        Optional[Path], typer.Option(help="Answers and features (resumable); default OUTPUT/../.OUTPUT-work.")
+    ] = None,
+    threads: Annotated[Optional[int], typer.Option(help="torch threads for training (default: all cores).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the training log as JSON.")] = False,
+) -> None:
+    """Self-distill a draft head (EAGLE or Medusa) from PACKAGE's own hidden states and greedy answers."""
+
+    def work() -> None:
+        from qspec.heads.distill import DistillOptions, distill_head
+        from qspec.heads.train import TrainOptions
+
+        options = TrainOptions.create(
+            method=method,
+            draft_vocab=draft_vocab,
+            epochs=epochs,
+            lr=lr,
+            medusa_heads=medusa_heads,
+            seed=seed,
+            threads=threads,
+        )
+        distill = DistillOptions.create(
+            prompts=prompts, dialogues=dialogues, prompts_file=data, max_new_tokens=max_new_tokens, seed=seed
+        )
+        work = work_dir or output.parent / f".{output.name}-work"
+        log = distill_head(
+            package,
+            output,
+            work_dir=work,
+            data=distill,
+            train=options,
+            target=target,
+            progress=lambda message: console.print(message, markup=False),
+        )
+        if as_json:
+            print(json.dumps(log, indent=2))
+            return
+        last = log["epochs"][-1]
+        print(
+            f"wrote {output} ({method}, draft vocabulary {log['draft_vocab']}, {log['answer_tokens']} training "
+            f"tokens): held-out chain accuracy {last['held_out_chain_accuracy']}"
+        )
+
+    run_guarded(work)

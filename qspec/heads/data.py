@@ -1,0 +1,197 @@
+"""Training data for a draft head, self-distilled from the package it will serve.
+
+Two passes, each resumable:
+
+1. ``generate_answers``: the package answers chat prompts greedily (its own output is what the head
+   must predict); each record is ``{"prompt_ids": [...], "answer_ids": [...]}`` in a JSON-lines file.
+2. ``collect_features``: every record runs through the package's prefill again, on a package compiled
+   with the ``hidden_states`` output, and its final-norm hidden states are kept (fp16) beside the
+   tokens: ``features [positions, hidden]``, ``tokens [positions]``, ``starts [records + 1]`` and
+   ``answer_starts [records]`` (where each record's answer begins).
+
+Prompts come from a dialogue corpus a PyPI package ships (``chitchat-dataset``, MIT: human chit-chat
+dialogues) and from instruction templates over topics drawn from it; MT-bench is the evaluation set
+and never enters here.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+from qspec.errors import ConfigError
+
+Progress = Callable[[str], None]
+
+# Instructions of the kinds chat users ask; {topic} comes from the dialogues.
+TEMPLATES = (
+    "Write a short story about {topic}.",
+    "Explain {topic} to a beginner.",
+    "Give me three tips about {topic}.",
+    "Write a poem about {topic}.",
+    "What are the pros and cons of {topic}?",
+    "Write a short email to a friend about {topic}.",
+    "Summarize what you know about {topic} in a few sentences.",
+    "Describe a day in the life of someone who loves {topic}.",
+    "Write a persuasive paragraph about {topic}.",
+    "List five questions people often ask about {topic}, with short answers.",
+)
+
+
+def chitchat_dialogues() -> dict:
+    """The dialogues of the ``chitchat-dataset`` package (``pip install --no-deps chitchat-dataset``)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("chitchat_dataset")
+    if spec is None or spec.origin is None:
+        raise ConfigError("the training prompts come from chitchat-dataset: pip install --no-deps chitchat-dataset")
+    return json.loads((Path(spec.origin).parent / "dataset.json").read_text())
+
+
+def _turns(dialogue: dict) -> list[str]:
+    return [" ".join(m["text"].strip() for m in turn if m.get("text")) for turn in dialogue["messages"]]
+
+
+def chat_prompts(count: int, *, seed: int = 0) -> list[list[dict]]:
+    """``count`` chat conversations ending on a user turn: dialogue prefixes (up to 3 turns, the
+    speakers as user and assistant) and instruction templates over a topic from a dialogue turn."""
+    rng = random.Random(seed)
+    dialogues = [_turns(d) for d in chitchat_dialogues().values()]
+    dialogues = [d for d in dialogues if len(d) >= 2]
+    rng.shuffle(dialogues)
+    prompts = []
+    for i in range(count):
+        turns = dialogues[i % len(dialogues)]
+        if i % 3 == 2:  # an instruction about something a dialogue talks about
+            words = [w.strip(".,!?\"'").lower() for w in " ".join(turns).split()]
+            words = [w for w in words if len(w) > 5 and w.isalpha()]
+            topic = rng.choice(words) if words else "friendship"
+            prompts.append([{"role": "user", "content": rng.choice(TEMPLATES).format(topic=topic)}])
+            continue
+        end = rng.randrange(len(turns)) // 2 * 2 + 1  # an odd number of turns: the last one is the user's
+        end = min(end, 3 + (end % 2 == 0))
+        messages = [
+            {"role": "user" if j % 2 == 0 else "assistant", "content": text[:600]}
+            for j, text in enumerate(turns[max(0, end - 3) : end])
+        ]
+        if messages[0]["role"] != "user":
+            messages = messages[1:]
+        prompts.append(messages)
+    return prompts
+
+
+def dialogue_records(count: int, tokenizer, *, max_tokens: int = 512, skip: int = 0) -> list[dict]:
+    """``count`` whole chit-chat dialogues through the chat template (speakers as user and assistant), cut to
+    ``max_tokens``: text to teacher-force (its labels are the target's own greedy predictions, computed
+    from the hidden states at training time). Dialogues ``skip ..`` in the corpus's order."""
+    records = []
+    for dialogue in list(chitchat_dialogues().values())[skip : skip + count]:
+        turns = [t for t in _turns(dialogue) if t]
+        messages = [{"role": "user" if j % 2 == 0 else "assistant", "content": t} for j, t in enumerate(turns)]
+        if not messages:
+            continue
+        ids = tokenizer.encode_chat(messages)[:max_tokens]
+        records.append({"prompt_ids": [int(t) for t in ids], "answer_ids": []})
+    return records
+
+
+def read_records(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def generate_answers(
+    package: Path,
+    prompts: list[list[dict]],
+    output: Path,
+    *,
+    max_new_tokens: int = 128,
+    batch: int = 16,
+    num_threads: int | None = None,
+    progress: Progress | None = None,
+) -> list[dict]:
+    """Greedy answers of ``package`` to ``prompts``, appended to ``output`` (JSON lines) a batch at a time;
+    records already there are kept and their prompts skipped (a stopped run resumes)."""
+    from qspec.runtime.engine import Engine
+    from qspec.runtime.sampling import SamplingParams
+
+    say = progress or (lambda message: None)
+    done = read_records(output)
+    engine = Engine(package, method="pld", num_threads=num_threads, spinning=num_threads is None)
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    with output.open("a") as sink:
+        for at in range(len(done), len(prompts), batch):
+            chunk = prompts[at : at + batch]
+            outs = engine.generate(chunk, params, chat=True)
+            for out in outs:
+                record = {
+                    "prompt_ids": list(map(int, out.prompt_token_ids)),
+                    "answer_ids": list(map(int, out.token_ids)),
+                }
+                sink.write(json.dumps(record) + "\n")
+                done.append(record)
+            sink.flush()
+            tokens = sum(len(r["answer_ids"]) for r in done)
+            say(f"answers {len(done)}/{len(prompts)}, {tokens} tokens")
+    return done
+
+
+def hidden_rows(model, sequence: list[int]) -> np.ndarray:
+    """``[len(sequence), hidden]`` fp16: the final-norm hidden state of every token of ``sequence``, prefilled
+    into slot 0 of ``model`` (a loaded package with the ``hidden_states`` output)."""
+    from qspec.runtime.prefill import PrefillRow, run_prefill
+
+    parts: list[np.ndarray] = []
+    run_prefill(model, [PrefillRow(0, sequence)], lambda i, logits: None, lambda i, s, h: parts.append(h.copy()))
+    return np.concatenate(parts).astype(np.float16)
+
+
+def collect_features(
+    package: Path,
+    records: list[dict],
+    output: Path,
+    *,
+    num_threads: int | None = None,
+    progress: Progress | None = None,
+) -> Path:
+    """Hidden states of every record's prompt and answer from ``package`` (compiled with ``--hidden-states``),
+    written to ``output`` (``.npz``)."""
+    from qspec.runtime.backend import load_model
+
+    say = progress or (lambda message: None)
+    model = load_model(package, num_threads=num_threads, spinning=num_threads is None)
+    if not model.manifest.model.hidden_states:
+        raise ConfigError(f"{package} has no hidden_states output; compile it with --hidden-states")
+    model.warm_up()
+    features, tokens, starts, answer_starts = [], [], [0], []
+    for n, record in enumerate(records):
+        sequence = record["prompt_ids"] + record["answer_ids"]
+        rows = hidden_rows(model, sequence)
+        assert len(rows) == len(sequence), f"{len(rows)} hidden rows for {len(sequence)} tokens"
+        features.append(rows)
+        tokens.append(np.asarray(sequence, np.int32))
+        answer_starts.append(starts[-1] + len(record["prompt_ids"]))
+        starts.append(starts[-1] + len(sequence))
+        if n % 50 == 0:
+            say(f"features {n + 1}/{len(records)}")
+    np.savez(
+        output,
+        features=np.concatenate(features),
+        tokens=np.concatenate(tokens),
+        starts=np.asarray(starts, np.int64),
+        answer_starts=np.asarray(answer_starts, np.int64),
+    )
+    return output
+
+
+def iter_sequences(data: dict) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
+    """``(tokens, features, answer_offset)`` of every record of a features file."""
+    starts, answer_starts = data["starts"], data["answer_starts"]
+    for i in range(len(starts) - 1):
+        lo, hi = starts[i], starts[i + 1]
+        yield data["tokens"][lo:hi], data["features"][lo:hi], int(answer_starts[i] - lo)

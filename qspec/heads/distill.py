@@ -1,0 +1,116 @@
+"""``qspec train-head``: self-distill a draft head from the package it will serve, one resumable phase at a time.
+
+::
+
+    prompts ──► answers.jsonl (the package's greedy answers) ─┐
+    dialogues (teacher-forced text) ──────────────────────────┼─► features-*.npz ──► train ──► head folder
+                                                              ┘   (the package's hidden states)
+
+Every phase writes its output into ``work_dir`` and is skipped when that output is there, so a stopped
+run resumes; training resumes from its last epoch. The package must have the ``hidden_states`` output
+(``qspec compile --hidden-states``); the head trains on the features of that package's weight format.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from pydantic import Field
+
+from qspec.common import FrozenModel
+from qspec.errors import ConfigError
+from qspec.heads.train import TrainOptions
+
+Progress = Callable[[str], None]
+
+
+class DistillOptions(FrozenModel):
+    """What data a head is distilled from."""
+
+    prompts: int = Field(default=1500, ge=0)  # chat prompts the package answers (its own greedy output)
+    dialogues: int = Field(default=500, ge=0)  # whole dialogues teacher-forced through the package
+    prompts_file: Path | None = None  # JSON lines of {"messages": [...]} or {"prompt": "..."}; default chit-chat
+    max_new_tokens: int = Field(default=128, ge=1)
+    seed: int = 0
+
+
+def read_prompts_file(path: Path) -> list[list[dict]]:
+    """Chat conversations from JSON lines: ``{"messages": [...]}`` or ``{"prompt": "..."}`` per line."""
+    prompts = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path}:{number}: not JSON ({exc.msg}); give one JSON object per line") from None
+        if isinstance(record, dict) and isinstance(record.get("messages"), list):
+            prompts.append(record["messages"])
+        elif isinstance(record, dict) and isinstance(record.get("prompt"), str):
+            prompts.append([{"role": "user", "content": record["prompt"]}])
+        else:
+            raise ConfigError(f'{path}:{number}: give {{"messages": [...]}} or {{"prompt": "..."}}')
+    return prompts
+
+
+def load_target(source: str):
+    """The Hugging Face model a package was exported from (its embeddings and LM head feed the head)."""
+    from qspec.export.loader import load_model, resolve_source
+
+    model, _ = load_model(resolve_source(source))
+    return model.eval()
+
+
+def distill_head(
+    package: Path,
+    output: Path,
+    *,
+    work_dir: Path,
+    data: DistillOptions,
+    train: TrainOptions,
+    target: str | None = None,
+    progress: Progress | None = None,
+) -> dict:
+    """Answers, features, training: the head in ``output`` (EAGLE-1 or Medusa layout) and its training log."""
+    from qspec.heads.data import chat_prompts, dialogue_records, generate_answers
+    from qspec.package import check_package
+    from qspec.runtime.tokenizer import Tokenizer
+
+    say = progress or (lambda message: None)
+    manifest = check_package(package)
+    if not manifest.model.hidden_states:
+        raise ConfigError(f"{package} has no hidden_states output; compile it with --hidden-states")
+    work_dir.mkdir(parents=True, exist_ok=True)
+    features = []
+    if data.prompts:
+        prompts = (
+            read_prompts_file(data.prompts_file) if data.prompts_file else chat_prompts(data.prompts, seed=data.seed)
+        )
+        answers = work_dir / "answers.jsonl"
+        say(f"answering {len(prompts)} prompts with {package}")
+        records = generate_answers(package, prompts, answers, max_new_tokens=data.max_new_tokens, progress=say)
+        features.append(_features(package, records, work_dir / "features-answers.npz", say))
+    if data.dialogues:
+        tokenizer = Tokenizer(package / "tokenizer")
+        records = dialogue_records(data.dialogues, tokenizer, skip=data.seed * data.dialogues)
+        features.append(_features(package, records, work_dir / "features-dialogues.npz", say))
+    if not features:
+        raise ConfigError("no training data: give --prompts or --dialogues above 0")
+    say(f"loading the target model {target or manifest.model.source}")
+    model = load_target(target or manifest.model.source)
+    from qspec.heads.train import train_head
+
+    return train_head(features, model, output, train, progress=say)
+
+
+def _features(package: Path, records: list[dict], path: Path, say: Progress) -> Path:
+    from qspec.heads.data import collect_features
+
+    if path.is_file():
+        return path
+    tmp = path.with_suffix(".tmp.npz")
+    collect_features(package, records, tmp, progress=say)
+    tmp.rename(path)
+    return path

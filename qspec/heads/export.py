@@ -1,0 +1,286 @@
+"""Draft heads as ONNX graphs of the qspec contract.
+
+**EAGLE-1**, KV-explicit like the target (:class:`~qspec.export.wrapper.KVExplicitLM`'s prologue and
+layer step, reused: the call's KV is written at ``position_ids``, ``PAD_POSITION`` pads, the mask comes
+from positions)::
+
+    input_ids [batch_size, seq_len], position_ids [batch_size, seq_len],
+    hidden_states [batch_size, seq_len, hidden], (batch_index [batch_size, 1]),
+    past_key.0 / past_value.0 [batch_size or full_batch_size, kv_heads, ctx_len, head_dim]
+      -> logits [batch_size, 1, draft_vocab]           the last real token of each row
+         hidden_states_out [batch_size, 1, hidden]     the head's feature there (the next call's input)
+         past_key.0_RetainedState / past_value.0_RetainedState
+
+Row ``i`` of a call pairs the target's (or the previous call's) feature at position ``p_i - 1`` with the
+token at ``p_i`` (see :mod:`qspec.heads.modules` for EAGLE's position convention).
+
+**Medusa** (and turbo): ``hidden_states [batch_size, 1, hidden] -> logits [batch_size, num_heads,
+draft_vocab]``; no KV.
+
+Weights: the graph computes in float32; every large float initializer is stored as float16 behind a
+``Cast`` (the embedding table alone is ``vocab x hidden``), and ``int8``/``int4`` first turn the MatMul
+weights into ``MatMulNBits`` with the target's quantizer settings.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from qspec import contract
+
+# Float initializers of at least this many elements are stored as float16.
+FP16_MIN_ELEMENTS = 1024
+
+
+# Wrappers --------------------------------------------------------------------------------------------
+
+
+class _Decoder(nn.Module):
+    """What :class:`KVExplicitLM` reads of a Hugging Face model: ``config`` and ``model.{embed_tokens,
+    layers, rotary_emb}``."""
+
+    def __init__(self, head):
+        super().__init__()
+        self.config = head.config
+        self.model = nn.Module()
+        self.model.embed_tokens = head.embed_tokens
+        self.model.layers = head.layers
+        self.model.rotary_emb = head.rotary_emb
+
+
+class EagleKVExplicit(nn.Module):
+    """``forward(input_ids, position_ids, hidden_states, [batch_index], past_key, past_value)
+    -> logits, hidden_states_out, past_key', past_value'``."""
+
+    def __init__(self, head, *, continuous_batching: bool):
+        super().__init__()
+        from qspec.export.wrapper import KVExplicitLM
+
+        self.lm = KVExplicitLM(_Decoder(head), continuous_batching=continuous_batching, speculative=False)
+        self.fc = head.fc
+        self.lm_head = head.lm_head
+        self.continuous_batching = continuous_batching
+
+    def forward(self, *args):
+        input_ids, position_ids, hidden_states, *rest = args
+        batch_index = rest[0] if self.continuous_batching else None  # [batch, 1]
+        past_key, past_value = rest[-2:]
+        embeds, cos, sin, query_pos, anchor, valid = self.lm.prologue(input_ids, position_ids)
+        x = self.fc(torch.cat((embeds, hidden_states.to(embeds.dtype)), dim=-1))  # [batch, seq, hidden]
+        x, keys, values = self.lm.layer_step(
+            0, x, cos, sin, query_pos, anchor, valid, batch_index, past_key, past_value
+        )
+        feature = _last_real(x, valid)  # [batch, 1, hidden]
+        return self.lm_head(feature).float(), feature, keys, values
+
+
+def _last_real(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``x`` at the last live step of each (right-padded) row: ``[batch, 1, width]``."""
+    batch, seq, width = x.shape
+    steps = torch.arange(seq, dtype=torch.int64)
+    last = (valid.to(torch.int64) * steps).amax(dim=1, keepdim=True)  # [batch, 1]
+    return x.gather(1, last.unsqueeze(-1).expand(batch, 1, width))
+
+
+class MedusaGraph(nn.Module):
+    """``forward(hidden_states [batch, 1, hidden]) -> logits [batch, num_heads, draft_vocab]``."""
+
+    def __init__(self, head):
+        super().__init__()
+        self.head = head
+
+    def forward(self, *args):
+        return self.head(args[0])[:, 0].float()
+
+
+# Contract of the head graphs -------------------------------------------------------------------------
+
+
+def eagle_input_names(*, continuous_batching: bool) -> list[str]:
+    names = [contract.INPUT_IDS, contract.POSITION_IDS, contract.HIDDEN_STATES]
+    if continuous_batching:
+        names.append(contract.BATCH_INDEX)
+    return names + contract.kv_names(1)
+
+
+def eagle_output_names() -> list[str]:
+    return [contract.LOGITS, contract.HIDDEN_STATES_OUT] + [contract.retained(n) for n in contract.kv_names(1)]
+
+
+def eagle_dims(head, *, continuous_batching: bool) -> dict[str, list]:
+    """Dimension names (or sizes) of every input and output of an EAGLE head graph."""
+    tokens = [contract.BATCH_SIZE, contract.SEQ_LEN]
+    rows = contract.FULL_BATCH_SIZE if continuous_batching else contract.BATCH_SIZE
+    attn = head.layers[0].self_attn
+    kv = [rows, head.config.num_key_value_heads, contract.CTX_LEN, attn.head_dim]
+    hidden = head.config.hidden_size
+    dims = {
+        contract.INPUT_IDS: tokens,
+        contract.POSITION_IDS: tokens,
+        contract.HIDDEN_STATES: [*tokens, hidden],
+    }
+    if continuous_batching:
+        dims[contract.BATCH_INDEX] = [contract.BATCH_SIZE, 1]
+    dims |= {name: kv for name in contract.kv_names(1)}
+    dims[contract.LOGITS] = [contract.BATCH_SIZE, 1, head.draft_vocab_size]
+    dims[contract.HIDDEN_STATES_OUT] = [contract.BATCH_SIZE, 1, hidden]
+    return dims | {contract.retained(name): kv for name in contract.kv_names(1)}
+
+
+def medusa_dims(head) -> dict[str, list]:
+    return {
+        contract.HIDDEN_STATES: [contract.BATCH_SIZE, 1, head.hidden_size],
+        contract.LOGITS: [contract.BATCH_SIZE, head.num_heads, head.draft_vocab_size],
+    }
+
+
+# Tracing ---------------------------------------------------------------------------------------------
+
+
+def trace_eagle(head, *, continuous_batching: bool):
+    """The EAGLE head as an ``onnx_ir`` model, float32 weights in memory."""
+    from torch.export import Dim
+
+    from qspec.export.wrapper import hold_weights_input_major
+
+    dims = eagle_dims(head, continuous_batching=continuous_batching)
+    head = copy.deepcopy(head).float().eval()
+    hold_weights_input_major(head)  # MatMul(x, W[in, out]): no Transpose to fold, quantizable as is
+    wrapper = EagleKVExplicit(head, continuous_batching=continuous_batching).eval()
+    batch, seq, ctx, rows = 3, 5, 19, 7  # distinct sizes, none equal to a fixed dimension
+    attn = head.layers[0].self_attn
+    kv = torch.zeros(rows if continuous_batching else batch, head.config.num_key_value_heads, ctx, attn.head_dim)
+    b, s = Dim(contract.BATCH_SIZE, min=1), Dim(contract.SEQ_LEN, min=1)
+    kv_rows = Dim(contract.FULL_BATCH_SIZE, min=1) if continuous_batching else b
+    kv_shape = {0: kv_rows, 2: Dim(contract.CTX_LEN, min=2)}
+    examples = [
+        torch.zeros(batch, seq, dtype=torch.int64),
+        torch.arange(seq).repeat(batch, 1),
+        torch.zeros(batch, seq, head.config.hidden_size),
+    ]
+    shapes = [{0: b, 1: s}, {0: b, 1: s}, {0: b, 1: s}]
+    if continuous_batching:
+        examples.append(torch.arange(batch, dtype=torch.int64)[:, None] * 2 % rows)
+        shapes.append({0: b})
+    examples += [kv, kv.clone()]
+    shapes += [kv_shape, kv_shape]
+    model = _export(
+        wrapper,
+        examples,
+        shapes,
+        eagle_input_names(continuous_batching=continuous_batching),
+        eagle_output_names(),
+    )
+    _name_dims(model, dims)
+    return model
+
+
+def trace_medusa(head):
+    """The Medusa (or turbo) heads as an ``onnx_ir`` model, float32 weights in memory."""
+    from torch.export import Dim
+
+    from qspec.export.wrapper import hold_weights_input_major
+
+    dims = medusa_dims(head)
+    head = copy.deepcopy(head).float().eval()
+    hold_weights_input_major(head)
+    example = torch.zeros(3, 1, head.hidden_size)
+    model = _export(
+        MedusaGraph(head),
+        [example],
+        [{0: Dim(contract.BATCH_SIZE, min=1)}],
+        [contract.HIDDEN_STATES],
+        [contract.LOGITS],
+    )
+    _name_dims(model, dims)
+    return model
+
+
+def _export(module: nn.Module, examples: list, shapes: list, input_names: list[str], output_names: list[str]):
+    from qspec.export.exporter import OPSET, _quiet
+
+    with _quiet(), torch.no_grad():
+        program = torch.onnx.export(
+            module,
+            tuple(examples),
+            input_names=input_names,
+            output_names=output_names,
+            dynamic_shapes=(tuple(shapes),),  # forward(*args)
+            dynamo=True,
+            opset_version=OPSET,
+            optimize=True,
+            verbose=False,
+        )
+    return program.model
+
+
+def _name_dims(model, dims: dict[str, list]) -> None:
+    """Give every graph input and output the contract's dimension names."""
+    import onnx_ir as ir
+
+    values = (*model.graph.inputs, *model.graph.outputs)
+    assert [v.name for v in values] == list(dims), f"head graph I/O {[v.name for v in values]} != {list(dims)}"
+    for value in values:
+        value.shape = ir.Shape(dims[value.name])
+
+
+# Weights ---------------------------------------------------------------------------------------------
+
+
+def quantize_copy(model, bits: int):
+    """A copy of ``model`` with its MatMul weights as ``MatMulNBits`` (the target's block size, accuracy
+    level and symmetry); returns (copy, how many). ``model`` is left as it is."""
+    import onnx_ir as ir
+
+    from qspec.backends.ort_optimize import quantize_matmuls
+
+    proto, count = quantize_matmuls(ir.to_proto(model), bits)
+    return ir.from_proto(proto), count
+
+
+def store_float16(model) -> int:
+    """Store every float32 initializer of ``FP16_MIN_ELEMENTS`` or more as float16 behind a ``Cast`` to
+    float32 (quantized weights' scales stay as they are); returns how many."""
+    import onnx_ir as ir
+
+    graph = model.graph
+    first = next(iter(graph))
+    count = 0
+    for value in list(graph.initializers.values()):
+        users = {node.op_type for node, _ in value.uses()}
+        if value.dtype != ir.DataType.FLOAT or value.const_value.size < FP16_MIN_ELEMENTS or "MatMulNBits" in users:
+            continue
+        half = value.const_value.numpy().astype(np.float16)
+        stored = ir.Value(
+            name=f"{value.name}.fp16",
+            shape=value.shape,
+            type=ir.TensorType(ir.DataType.FLOAT16),
+            const_value=ir.Tensor(half, name=f"{value.name}.fp16"),
+        )
+        graph.register_initializer(stored)
+        cast = ir.node("Cast", [stored], attributes={"to": ir.DataType.FLOAT})
+        graph.insert_before(first, cast)
+        value.replace_all_uses_with(cast.outputs[0])
+        graph.initializers.pop(value.name)
+        cast.outputs[0].name = value.name
+        count += 1
+    return count
+
+
+def save(model, path: Path) -> None:
+    """Write the graph and its weights (external data ``<path>.data``); check it."""
+    import onnx
+    import onnx_ir as ir
+
+    ir.save(model, str(path), external_data=path.name + ".data")
+    onnx.checker.check_model(str(path), full_check=True)
+
+
+def graph_bytes(path: Path) -> int:
+    """Bytes of a saved graph and its external data."""
+    return sum(p.stat().st_size for p in (path, path.with_name(path.name + ".data")) if p.is_file())

@@ -1,0 +1,114 @@
+"""The draft head inside a package: ``<package>/head/``, described by ``head.json``.
+
+::
+
+    <package>/head/
+      head.json              HeadManifest: method, layout, sizes, files, the target's fingerprint
+      head.onnx(+.data)      the head graph (the vendor's; float16-stored weights)
+      head.ort.onnx(+.data)  int8/int4 only: MatMulNBits weights, what the runtime loads
+      draft_ids.npy          int64 [draft_vocab]: target id of each draft-vocabulary entry (reduced vocab only)
+      specializations.json   the head's shapes (flat or named, as the target's)
+      custom_io.yaml, compile_qaic.sh   backend "qaic" only
+
+This module imports neither torch nor the exporter: the runtime reads it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+from pydantic import Field, ValidationError
+
+from qspec.backends.qaic import QaicResult
+from qspec.common import FrozenModel
+from qspec.errors import PackageError
+from qspec.spec_file import SpecFormat
+from qspec.specializations import Specialization
+
+HEAD_DIR = "head"
+HEAD_MANIFEST = "head.json"
+HEAD_ONNX = "head.onnx"
+HEAD_ORT_ONNX = "head.ort.onnx"
+DRAFT_IDS_FILE = "draft_ids.npy"
+HEAD_MANIFEST_VERSION = 1
+
+HeadMethod = Literal["eagle", "medusa"]
+HeadLayout = Literal["eagle", "medusa", "turbo"]  # the checkpoint layout the head was read from
+HeadWeightFormat = Literal["fp32", "int8", "int4"]  # MatMul weights of the runtime graph (tables: float16)
+
+
+class HeadManifest(FrozenModel):
+    """Contents of ``head/head.json``: everything the runtime needs to run the head, and where it came from."""
+
+    manifest_version: int = HEAD_MANIFEST_VERSION
+    method: HeadMethod
+    layout: HeadLayout
+    source: str  # the head folder as given
+    digest: str  # hash of the head's files
+    target_fingerprint: str  # the target export's key: the head reads that graph's hidden states
+    hidden_size: int = Field(ge=1)
+    vocab_size: int = Field(ge=1)  # the target's
+    draft_vocab_size: int = Field(ge=1)
+    draft_ids_file: str | None = None  # None: the draft vocabulary is the target's (identity)
+    num_heads: int = Field(default=1, ge=1)  # Medusa heads (tokens per call); 1 for EAGLE
+    num_layers: int = Field(default=1, ge=1)  # residual blocks per Medusa head; decoder layers of EAGLE
+    # EAGLE's own KV cache (one layer): past_key.0 / past_value.0 [rows, num_kv_heads, ctx_len, head_dim]
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    ctx_len: int | None = None
+    full_batch_size: int | None = None
+    continuous_batching: bool = False
+    graph: str = HEAD_ONNX  # the vendor graph
+    runtime_graph: str = HEAD_ONNX  # what ONNX Runtime loads
+    weight_format: HeadWeightFormat = "fp32"
+    quantized_matmuls: int = 0
+    float16_initializers: int = 0
+    input_names: list[str]
+    output_names: list[str]
+    specializations: list[Specialization]
+    specializations_file: str = "specializations.json"
+    spec_format: SpecFormat = "flat"
+    backend: Literal["ort", "qaic"] = "ort"
+    qaic: QaicResult | None = None
+    graph_bytes: int = 0  # head.onnx and its data
+    runtime_graph_bytes: int = 0
+    export_seconds: float = 0.0
+
+    def path(self, package: str | os.PathLike[str], name: str) -> Path:
+        """``<package>/head/<name>``."""
+        return Path(package) / HEAD_DIR / name
+
+
+def has_head(package: str | os.PathLike[str]) -> bool:
+    return (Path(package) / HEAD_DIR / HEAD_MANIFEST).is_file()
+
+
+def read_head_manifest(package: str | os.PathLike[str]) -> HeadManifest:
+    """The head of ``package``, or a PackageError saying how to compile one in."""
+    path = Path(package) / HEAD_DIR / HEAD_MANIFEST
+    if not path.is_file():
+        raise PackageError(f"package {package} has no draft head; compile it with `qspec compile ... --draft-head DIR`")
+    try:
+        manifest = HeadManifest.model_validate_json(path.read_text())
+    except (ValidationError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0]
+        raise PackageError(f"{path} is corrupt ({first}); recompile the package with --draft-head") from None
+    if manifest.manifest_version != HEAD_MANIFEST_VERSION:
+        raise PackageError(
+            f"{path} has head manifest version {manifest.manifest_version}, this qspec reads "
+            f"{HEAD_MANIFEST_VERSION}; recompile the package with --draft-head"
+        )
+    return manifest
+
+
+def read_draft_ids(package: str | os.PathLike[str], manifest: HeadManifest) -> np.ndarray | None:
+    """int64 ``[draft_vocab]``: the target id of each draft token, or None for the full vocabulary."""
+    if manifest.draft_ids_file is None:
+        return None
+    ids = np.load(manifest.path(package, manifest.draft_ids_file))
+    if ids.shape != (manifest.draft_vocab_size,):
+        raise PackageError(f"{manifest.draft_ids_file} has shape {ids.shape}, the head {manifest.draft_vocab_size}")
+    return ids.astype(np.int64)

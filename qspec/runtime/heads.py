@@ -1,0 +1,338 @@
+"""Hidden-state proposers: drafts from a head that reads the target's own final-norm hidden states.
+
+The engine hands such a proposer (``wants_hidden_states``) the hidden states of every position the
+target computed for the request (:meth:`HiddenStateProposer.observe_hidden`: prompt chunks, then the
+verified rows of each step up to the bonus) before it tells it the emitted tokens (``extend``).
+
+**EAGLE** (one decoder layer with its own KV cache, at the target's positions). The pair (hidden
+``f_t``, token ``x_{t+1}``) sits at head position ``t`` and predicts ``f_{t+1}``, whose LM-head
+argmax is the draft ``x_{t+2}``. Example: prompt ``x_0..x_4``, first token ``x_5`` (position 5).
+``propose`` first catches up the pairs not yet in the head's cache, ``t = 0..4`` (one call), whose
+last row gives ``d_1`` (for ``x_6``) and ``f^_5``; then chains one-token calls, ``(f^_5, d_1)`` at
+position 5 gives ``d_2``, and so on while the draft's probability stays at or above
+``draft_confidence_threshold``. The target verifies ``[x_5, d_1, d_2]`` at positions 5..7 and
+accepts, say, ``d_1`` plus a bonus ``b``: hidden states of positions 5 and 6 arrive, and the next
+catch-up writes the pairs ``(f_5, d_1)``, ``(f_6, b)`` at positions 5 and 6, over what the chain
+wrote there; slots past them hold stale chain KV that no query sees (the mask is ``j <= p``).
+
+**Medusa** (no cache): the last known hidden state ``f_{t}`` goes through ``num_heads`` heads at
+once; head ``k`` drafts ``x_{t+2+k}``, the drafts cut at the first one below the threshold.
+
+Drafts are the head's argmax, point masses for the verifier: greedy output stays the target's own,
+and a sampled request stays lossless under the ``min(1, p / q)`` rule with ``q`` a point mass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from qspec import contract
+from qspec.backends import ort as ort_backend
+from qspec.errors import ConfigError
+from qspec.runtime.proposal import Proposal, Proposer, RequestId, Tokens, as_tokens
+from qspec.runtime.sampling import SamplingParams
+
+DEFAULT_THRESHOLD = 0.2  # a chained draft below this probability ends the row's drafts for the step
+
+
+def softmax_top(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(argmax, its probability)`` of each row of ``logits`` ``[rows, vocab]``."""
+    top = logits.argmax(axis=-1)
+    x = logits.astype(np.float64)
+    peak = x.max(axis=-1, keepdims=True)
+    return top, 1.0 / np.exp(x - peak).sum(axis=-1)
+
+
+@dataclass
+class _Request:
+    row: int  # the head's KV row
+    tokens: list[int]  # prompt and every emitted token: x_0 .. x_N
+    hidden: np.ndarray  # [ctx_len, hidden]: f_t for t < known
+    known: int = 0  # hidden states known for positions < known
+    cached: int = 0  # pairs t < cached are in the head's KV cache
+
+
+@dataclass
+class _Row:
+    request: _Request
+    cap: int
+    drafts: list[int] = field(default_factory=list)
+    feature: np.ndarray | None = None  # the head's predicted feature after the last draft
+    going: bool = True
+
+
+class HeadGraph:
+    """A head's ONNX graph in ONNX Runtime, its KV cache (EAGLE) resident and bound in place."""
+
+    def __init__(self, path: Path, *, rows: int, kv: tuple[int, int, int] | None, num_threads: int | None = None):
+        options = ort_backend.session_options({}, spinning=False, num_threads=num_threads)
+        self.session = ort.InferenceSession(str(path), options, providers=ort_backend.PROVIDERS)
+        names = {i.name for i in self.session.get_inputs()}
+        self.batch_index = contract.BATCH_INDEX in names
+        self.kv_values = []
+        if kv is not None:
+            kv_heads, ctx_len, head_dim = kv
+            shape = (rows, kv_heads, ctx_len, head_dim)
+            self.kv_values = [
+                (name, ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32))) for name in contract.kv_names(1)
+            ]
+        self.outputs = [
+            o.name for o in self.session.get_outputs() if not o.name.endswith(contract.RETAINED_STATE_SUFFIX)
+        ]
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        binding = self.session.io_binding()
+        for name, value in feeds.items():
+            binding.bind_cpu_input(name, value)
+        for name, value in self.kv_values:
+            binding.bind_ortvalue_input(name, value)
+            binding.bind_ortvalue_output(contract.retained(name), value)
+        for name in self.outputs:
+            binding.bind_output(name)
+        self.session.run_with_iobinding(binding)
+        return {name: value.numpy() for name, value in zip(self.outputs, binding.get_outputs()[-len(self.outputs) :])}
+
+
+class HiddenStateProposer(Proposer):
+    """A proposer that reads the target's hidden states (declared: the engine checks ``wants_hidden_states``)."""
+
+    wants_hidden_states = True
+
+    def __init__(
+        self,
+        head: HeadGraph,
+        draft_ids: np.ndarray | None,
+        *,
+        ctx_len: int,
+        hidden_size: int,
+        rows: int,
+        threshold: float,
+    ):
+        if not 0.0 <= threshold <= 1.0:
+            raise ConfigError(f"draft_confidence_threshold {threshold} must be in [0, 1]")
+        self.head = head
+        self.draft_ids = draft_ids
+        self.ctx_len, self.hidden_size, self.rows = ctx_len, hidden_size, rows  # ctx_len 0: the head has no cache
+        self.buffer_len = ctx_len  # positions of hidden states kept per request: the target's ctx_len once known
+        self.threshold = threshold
+        self._requests: dict[RequestId, _Request] = {}
+
+    def check_target(self, *, vocab_size: int, ctx_len: int, num_slots: int) -> None:
+        if self.ctx_len and num_slots > self.rows:
+            raise ConfigError(f"the head has {self.rows} KV rows for {num_slots} sequences in flight; recompile")
+        if self.ctx_len and ctx_len > self.ctx_len:
+            raise ConfigError(f"the head's ctx_len {self.ctx_len} is shorter than the target's {ctx_len}; recompile")
+        self.buffer_len = ctx_len
+
+    def start(self, request_id, prompt_tokens, params: SamplingParams | None = None, rng=None) -> None:
+        used = {r.row for r in self._requests.values()}
+        row = next((r for r in range(self.rows) if r not in used), 0)  # a head without a cache has no rows to share
+        hidden = np.zeros((self.buffer_len, self.hidden_size), np.float32)
+        self._requests[request_id] = _Request(row, as_tokens(prompt_tokens).tolist(), hidden)
+
+    def observe_hidden(self, request_id: RequestId, start: int, hidden: np.ndarray) -> None:
+        request = self._requests[request_id]
+        request.hidden[start : start + len(hidden)] = hidden
+        request.known = max(request.known, start + len(hidden))
+        request.cached = min(request.cached, start)  # pairs from `start` on get the verified features
+
+    def extend(self, request_id: RequestId, new_tokens: Tokens) -> None:
+        self._requests[request_id].tokens.extend(as_tokens(new_tokens).tolist())
+
+    def finish(self, request_id: RequestId) -> None:
+        self._requests.pop(request_id, None)
+
+    def propose(self, request_id: RequestId, k: int) -> np.ndarray:
+        return self.propose_batch([(request_id, k)])[0].tokens
+
+    def to_target(self, draft: np.ndarray) -> np.ndarray:
+        return draft if self.draft_ids is None else self.draft_ids[draft]
+
+
+class EagleProposer(HiddenStateProposer):
+    """EAGLE-1 drafts: a catch-up call over the new pairs, then chained one-token calls (module doc)."""
+
+    def __init__(
+        self,
+        head: HeadGraph,
+        draft_ids,
+        *,
+        ctx_len: int,
+        hidden_size: int,
+        rows: int,
+        threshold: float,
+        widths: Sequence[int],
+    ):
+        super().__init__(head, draft_ids, ctx_len=ctx_len, hidden_size=hidden_size, rows=rows, threshold=threshold)
+        self.widths = sorted(set(widths))  # the head's compiled seq_len values
+
+    def propose_batch(self, items: Sequence[tuple[RequestId, int]]) -> list[Proposal]:
+        rows = [_Row(self._requests[rid], cap) for rid, cap in items if cap > 0]
+        if rows:
+            self._catch_up(rows)
+            self._chain(rows)
+        by_request = {id(row.request): row for row in rows}
+        out = []
+        for rid, cap in items:
+            row = by_request.get(id(self._requests[rid])) if cap > 0 else None
+            out.append(Proposal(np.asarray(row.drafts, np.int64)) if row and row.drafts else Proposal.empty())
+        return out
+
+    def _call(self, rows: list[_Row], pieces: list[tuple[list[int], np.ndarray, int]]) -> dict[str, np.ndarray]:
+        """One head call: row i writes ``(tokens, hidden, start)`` = ``pieces[i]`` at positions ``start, ...``."""
+        longest = max(len(tokens) for tokens, _, _ in pieces)
+        width = next((w for w in self.widths if w >= longest), longest)
+        n = len(rows)
+        ids = np.zeros((n, width), np.int64)
+        positions = np.full((n, width), contract.PAD_POSITION, np.int64)
+        hidden = np.zeros((n, width, self.hidden_size), np.float32)
+        for i, (tokens, feats, start) in enumerate(pieces):
+            ids[i, : len(tokens)] = tokens
+            positions[i, : len(tokens)] = np.arange(start, start + len(tokens))
+            hidden[i, : len(tokens)] = feats
+        feeds = {contract.INPUT_IDS: ids, contract.POSITION_IDS: positions, contract.HIDDEN_STATES: hidden}
+        if self.head.batch_index:
+            feeds[contract.BATCH_INDEX] = np.asarray([[row.request.row] for row in rows], np.int64)
+        return self.head.run(feeds)
+
+    def _catch_up(self, rows: list[_Row]) -> None:
+        """Write every row's pairs ``(f_t, x_{t+1})`` not yet cached, widest shape first; the last call of a row
+        gives its first draft."""
+        limit = self.widths[-1]
+        while True:
+            todo = [row for row in rows if row.request.cached < min(row.request.known, len(row.request.tokens) - 1)]
+            if not todo:
+                break
+            pieces = []
+            for row in todo:
+                r = row.request
+                end = min(r.known, len(r.tokens) - 1, r.cached + limit)
+                pieces.append((r.tokens[r.cached + 1 : end + 1], r.hidden[r.cached : end], r.cached))
+            out = self._call(todo, pieces)
+            for i, row in enumerate(todo):
+                r = row.request
+                r.cached += len(pieces[i][0])
+                if r.cached == min(r.known, len(r.tokens) - 1):  # this call held the row's last pair
+                    self._take(row, out[contract.LOGITS][i, -1], out[contract.HIDDEN_STATES_OUT][i, -1])
+        for row in rows:
+            if row.feature is None:  # nothing new since the last step (cannot happen after a verify)
+                row.going = False
+
+    def _take(self, row: _Row, logits: np.ndarray, feature: np.ndarray) -> None:
+        top, prob = softmax_top(logits[None])
+        if row.drafts and prob[0] < self.threshold:
+            row.going = False
+            return
+        row.drafts.append(int(self.to_target(top)[0]))
+        row.feature = feature
+        row.going = len(row.drafts) < row.cap and prob[0] >= self.threshold
+
+    def _chain(self, rows: list[_Row]) -> None:
+        while True:
+            going = [row for row in rows if row.going]
+            if not going:
+                return
+            pieces = []
+            for row in going:
+                position = len(row.request.tokens) - 1 + len(row.drafts) - 1  # pair (f^_{N+i-1}, d_i) at N + i - 1
+                pieces.append(([row.drafts[-1]], row.feature[None], position))
+            out = self._call(going, pieces)
+            for i, row in enumerate(going):
+                self._take(row, out[contract.LOGITS][i, -1], out[contract.HIDDEN_STATES_OUT][i, -1])
+
+
+class MedusaProposer(HiddenStateProposer):
+    """Medusa drafts: one head call on the request's newest hidden state, cut at the first unsure head."""
+
+    def propose_batch(self, items: Sequence[tuple[RequestId, int]]) -> list[Proposal]:
+        live = [(rid, cap) for rid, cap in items if cap > 0]
+        drafts: dict[RequestId, np.ndarray] = {}
+        if live:
+            hidden = np.stack([self._requests[rid].hidden[self._requests[rid].known - 1] for rid, _ in live])
+            logits = self.head.run({contract.HIDDEN_STATES: hidden[:, None]})[contract.LOGITS]  # [rows, heads, V]
+            for (rid, cap), row in zip(live, logits):
+                top, prob = softmax_top(row)
+                keep = 0
+                while keep < min(cap, len(top)) and (keep == 0 or prob[keep] >= self.threshold):
+                    keep += 1
+                if keep and prob[0] < self.threshold:
+                    keep = 1
+                drafts[rid] = self.to_target(top[:keep]).astype(np.int64)
+        return [Proposal(drafts[rid]) if rid in drafts else Proposal.empty() for rid, _ in items]
+
+
+class LookupFirstProposer(Proposer):
+    """Prompt lookup where it matches a long n-gram, the head elsewhere (``eagle+pld``, ``medusa+pld``).
+
+    A lookup draft after a ``min_match``-gram match is accepted far more often than a head's on text
+    that repeats (code edits, quotes, lists); on open text lookup finds nothing and the head drafts.
+    Both follow every request; the head catches up on the steps it skipped the next time it drafts.
+    """
+
+    def __init__(self, lookup: Proposer, head: HiddenStateProposer, *, min_match: int = 2):
+        self.lookup, self.head, self.min_match = lookup, head, min_match
+        self.wants_hidden_states = head.wants_hidden_states
+
+    def check_target(self, *, vocab_size: int, ctx_len: int, num_slots: int) -> None:
+        self.head.check_target(vocab_size=vocab_size, ctx_len=ctx_len, num_slots=num_slots)
+
+    def start(self, request_id, prompt_tokens, params=None, rng=None) -> None:
+        self.lookup.start(request_id, prompt_tokens, params, rng)
+        self.head.start(request_id, prompt_tokens, params, rng)
+
+    def observe_hidden(self, request_id: RequestId, start: int, hidden: np.ndarray) -> None:
+        self.head.observe_hidden(request_id, start, hidden)
+
+    def extend(self, request_id: RequestId, new_tokens: Tokens) -> None:
+        self.lookup.extend(request_id, new_tokens)
+        self.head.extend(request_id, new_tokens)
+
+    def finish(self, request_id: RequestId) -> None:
+        self.lookup.finish(request_id)
+        self.head.finish(request_id)
+
+    def propose(self, request_id: RequestId, k: int) -> np.ndarray:
+        return self.propose_batch([(request_id, k)])[0].tokens
+
+    def propose_batch(self, items: Sequence[tuple[RequestId, int]]) -> list[Proposal]:
+        found = self.lookup.propose_batch(items)
+        short = [i for i, p in enumerate(found) if p.match_len < self.min_match and items[i][1] > 0]
+        for i, proposal in zip(short, self.head.propose_batch([items[i] for i in short])):
+            found[i] = proposal
+        return found
+
+
+def load_head_proposer(
+    method: str,
+    package: str | Path,
+    *,
+    draft_confidence_threshold: float | None = None,
+    num_threads: int | None = None,
+) -> HiddenStateProposer:
+    """The ``eagle`` or ``medusa`` proposer of ``package``'s draft head (``qspec compile --draft-head``)."""
+    from qspec.heads.manifest import has_head, read_draft_ids, read_head_manifest
+
+    if not has_head(package):
+        raise ConfigError(
+            f"method {method} needs a draft head in {package}; compile it with `qspec compile ... --draft-head DIR`"
+        )
+    manifest = read_head_manifest(package)
+    if manifest.method != method:
+        raise ConfigError(f"{package}'s draft head is {manifest.method}; use --method {manifest.method}")
+    threshold = DEFAULT_THRESHOLD if draft_confidence_threshold is None else draft_confidence_threshold
+    rows = manifest.full_batch_size or 1
+    kv = None
+    if method == "eagle":
+        kv = (manifest.num_kv_heads, manifest.ctx_len, manifest.head_dim)
+    graph = HeadGraph(manifest.path(package, manifest.runtime_graph), rows=rows, kv=kv, num_threads=num_threads)
+    draft_ids = read_draft_ids(package, manifest)
+    common = dict(ctx_len=manifest.ctx_len or 0, hidden_size=manifest.hidden_size, rows=rows, threshold=threshold)
+    if method == "eagle":
+        widths = [spec.seq_len for spec in manifest.specializations]
+        return EagleProposer(graph, draft_ids, widths=widths, **common)
+    return MedusaProposer(graph, draft_ids, **common)
