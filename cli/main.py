@@ -83,12 +83,22 @@ def compile(
     hidden_states: Annotated[
         bool, typer.Option(help="The graphs also return the final-norm hidden states (what a draft head reads).")
     ] = False,
-    aic_hw_version: Annotated[str, typer.Option(help="qaic: -aic-hw-version.")] = "ai100",
-    num_cores: Annotated[int, typer.Option(help="qaic: -aic-num-cores.")] = 16,
-    num_devices: Annotated[int, typer.Option(help="qaic: devices (>1 writes a partition config).")] = 1,
-    mxfp6_matmul: Annotated[bool, typer.Option(help="qaic: -mxfp6-matmul.")] = False,
+    aic_hw_version: Annotated[
+        Optional[str], typer.Option(help="qaic: -aic-hw-version, ai100 or ai200 (default: from qaic-util, else ai100).")
+    ] = None,
+    num_cores: Annotated[Optional[int], typer.Option(help="qaic: -aic-num-cores (default 16).")] = None,
+    num_devices: Annotated[Optional[int], typer.Option(help="qaic: devices (>1 writes a partition config).")] = None,
+    mxfp6_matmul: Annotated[bool, typer.Option(help="qaic: -mxfp6-matmul (MXFP6 weights).")] = False,
+    mxint8_kv_cache: Annotated[bool, typer.Option(help="qaic: KV cache in mxint8 (custom IO list).")] = False,
     mos: Annotated[Optional[int], typer.Option(help="qaic: -mos.")] = None,
     aic_enable_depth_first: Annotated[bool, typer.Option(help="qaic: -aic-enable-depth-first.")] = False,
+    qaic_option: Annotated[
+        Optional[list[str]],
+        typer.Option(help="qaic: one more -FLAG or -FLAG=VALUE for qaic-compile, verbatim (repeatable)."),
+    ] = None,
+    mdp_config: Annotated[
+        Optional[Path], typer.Option(help="qaic: your partition config (-mdp-load-partition-config), copied in.")
+    ] = None,
     draft_head: Annotated[
         Optional[Path],
         typer.Option(help="A draft head checkpoint folder (EAGLE-1, Medusa or QEfficient turbo) to compile in."),
@@ -102,6 +112,7 @@ def compile(
     def work() -> None:
         from qspec.backends.qaic import QaicOptions
         from qspec.compile import CompileOptions, compile_package
+        from qspec.errors import ConfigError
         from qspec.specializations import make_config
 
         spec = make_config(
@@ -113,18 +124,26 @@ def compile(
             comp_ctx_lengths_prefill=comp_ctx_lengths_prefill,
             comp_ctx_lengths_decode=comp_ctx_lengths_decode,
         )
+        qaic_flags = {  # QaicOptions field: (flag, value if given)
+            "aic_hw_version": ("--aic-hw-version", aic_hw_version),
+            "num_cores": ("--num-cores", num_cores),
+            "num_devices": ("--num-devices", num_devices),
+            "mxfp6_matmul": ("--mxfp6-matmul", mxfp6_matmul or None),
+            "mxint8_kv_cache": ("--mxint8-kv-cache", mxint8_kv_cache or None),
+            "mos": ("--mos", mos),
+            "aic_enable_depth_first": ("--aic-enable-depth-first", aic_enable_depth_first or None),
+            "compiler_options": ("--qaic-option", qaic_option or None),
+            "mdp_config": ("--mdp-config", str(mdp_config.resolve()) if mdp_config else None),
+        }
+        qaic_given = {field: value for field, (_, value) in qaic_flags.items() if value is not None}
+        if backend != "qaic" and qaic_given:
+            flags = ", ".join(qaic_flags[field][0] for field in qaic_given)
+            raise ConfigError(f"{flags}: qaic-only; add --backend qaic, or drop them for the {backend} backend")
         options = CompileOptions.create(
             specialization=spec,
             spec_format=spec_format,
             backend=backend,
-            qaic=QaicOptions.create(
-                aic_hw_version=aic_hw_version,
-                num_cores=num_cores,
-                num_devices=num_devices,
-                mxfp6_matmul=mxfp6_matmul,
-                mos=mos,
-                aic_enable_depth_first=aic_enable_depth_first,
-            ),
+            qaic=QaicOptions.create(**qaic_given),
             num_layers=num_layers,
             weight_format=weight_format,
             hidden_states=hidden_states,
@@ -157,8 +176,14 @@ def compile(
 
             head = read_head_manifest(folder)
             print(f"draft head: {head.method} ({head.layout}), {len(head.specializations)} specializations")
-        if manifest.qaic and not manifest.qaic.ran:
-            print(f"qaic-compile not found: the command is in {folder / manifest.qaic.script}")
+        if manifest.qaic:
+            qaic = manifest.qaic
+            if qaic.aic_hw_version is not None:  # None in a package of an older qspec
+                print(f"qaic: -aic-hw-version={qaic.aic_hw_version}, KV cache {qaic.kv_precision}")
+            for note in qaic.notes:
+                print(f"qaic: {note}")
+            if not qaic.ran:
+                print(f"qaic-compile not found: the command is in {folder / qaic.script}")
 
     run_guarded(work)
 

@@ -25,6 +25,7 @@ from typing import Any, Literal
 import numpy as np
 
 from qspec import contract
+from qspec.errors import PromptTooLongError
 from qspec.package import ONNX_FILE, Manifest, check_package
 from qspec.specializations import Specialization, decode_specialization, prefill_specialization
 
@@ -128,7 +129,17 @@ class LoadedModel(ABC):
         self.call_ms = {}
 
     def prefill_for(self, end: int) -> Binding:
-        """The prefill binding of the smallest bucket that holds positions ``< end``."""
+        """The prefill binding of the smallest bucket that holds positions ``< end``.
+
+        Under qaic-compile's CCL rule the largest prefill bucket can be below ctx_len (qspec.ccl): a
+        prompt reaching past it is refused rather than attended to in part.
+        """
+        top = self.prefill_buckets[-1]
+        if top is not None and end > top:
+            raise PromptTooLongError(
+                f"a prompt reaching position {end} passes the largest prefill bucket {top} of this package "
+                f"(comp_ctx_lengths_prefill); shorten the prompt or compile with a prefill bucket >= {end}"
+            )
         return self.bindings[self.prefill_specs[_bucket(self.prefill_buckets, end)]]
 
     def decode_for(self, k: int, end: int) -> Binding:
