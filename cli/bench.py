@@ -15,8 +15,9 @@ from qspec_cli.common import (
     DispatchOption,
     DraftPackageOption,
     PrefillSeqLenOption,
+    cli_errors,
     console,
-    run_guarded,
+    escape,
 )
 
 if TYPE_CHECKING:
@@ -99,7 +100,7 @@ def bench(
 ) -> None:
     """Benchmark none / fixed K / variable K (and transformers, ORT GenAI, llama.cpp) on a prompt set; report."""
 
-    def work() -> None:
+    with cli_errors():
         from qspec.bench import bench_options, run_bench, write_report
 
         options = bench_options(
@@ -132,13 +133,11 @@ def bench(
         report = _run_with_progress(model, options, run_bench)
         paths = write_report(report, output)
         for skipped in report.meta.skipped:  # on stderr, with --json too
-            console.print(f"[yellow]Skipped:[/] {skipped.what}: {skipped.why}", soft_wrap=True)
+            console.print(f"[yellow]Skipped:[/] {escape(skipped.what)}: {escape(skipped.why)}")
         if as_json:
             print(report.model_dump_json(indent=2))
             return
         _print_summary(report, paths)
-
-    run_guarded(work)
 
 
 def _run_with_progress(model: str, options: BenchOptions, run_bench) -> BenchReport:
@@ -151,7 +150,9 @@ def _run_with_progress(model: str, options: BenchOptions, run_bench) -> BenchRep
         start = time.perf_counter()
 
         def log(message: str, done: int, total: int) -> None:
-            console.print(f"[dim]{time.perf_counter() - start:7.1f}s[/] [{done}/{total}] {message}")
+            console.print(
+                f"[dim]{time.perf_counter() - start:7.1f}s[/] {escape(f'[{done}/{total}]')} {escape(message)}"
+            )
 
         return run_bench(model, options, progress=log)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
@@ -159,7 +160,7 @@ def _run_with_progress(model: str, options: BenchOptions, run_bench) -> BenchRep
         task = bar.add_task("starting", total=None)
 
         def progress(message: str, done: int, total: int) -> None:
-            bar.update(task, description=message, completed=done, total=total)
+            bar.update(task, description=escape(message), completed=done, total=total)
 
         return run_bench(model, options, progress=progress)
 
@@ -171,9 +172,7 @@ def _print_summary(report: BenchReport, paths: dict[str, Path]) -> None:
         o = s.overall
         versus = f"  {o.ratio_to_none:.2f}x none" if o.ratio_to_none else ""
         print(f"  {s.key:<24} {o.requests_per_s:8.3f} req/s {o.output_tokens_per_s:8.1f} tok/s{versus}")
-    for t in report.targets:
-        print(f"  [{t.status}] {t.target}: {t.measured} (goal {t.goal})")
     for note in report.meta.notes:
-        console.print(f"[yellow]Note:[/] {note}")
+        console.print(f"[yellow]Note:[/] {escape(note)}")
 
     print(f"wrote {paths['markdown']}, {paths['json']}, {paths['plot']} ({report.meta.wall_s} s)")

@@ -10,15 +10,16 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
-console = Console(stderr=True, highlight=False)
+# stderr, never hard-wrapped (a piped log keeps paths whole); every message text goes through `escape`:
+# rich would take `[serve]` in `pip install 'qspec[serve]'` or `run[fp16]/pkg` for markup.
+console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 # Options more than one command takes: one definition each (flag, help), one default.
 DEFAULT_CTX_LEN = 1024
-# Tokens per prefill call. `make bench`'s TTFT per chunk size (16 MT-bench chat prompts, 44-233 tokens,
-# SmolLM2, batch 1, 2 interleaved rounds, 2026-11-24): fp32 172 / 153 / 139 / 126 / 128 ms and int4 142 /
-# 133 / 121 / 114 / 113 ms at 16 / 32 / 64 / 128 / 256. Longer chunks gain 6-9 % more but would refuse
-# every --ctx-len or prefill bucket below them; 64 keeps small contexts compiling.
+# Tokens per prefill call: longer chunks prefill a little faster but refuse every --ctx-len or prefill
+# bucket below them; 64 keeps small contexts compiling (TTFT per chunk size: docs/bench/report.md).
 DEFAULT_PREFILL_SEQ_LEN = 64
 KsOption = Annotated[
     str, typer.Option("--num-speculative-tokens", "-k", help="Speculative lengths K to compile, e.g. 0,4.")
@@ -38,8 +39,9 @@ DraftPackageOption = Annotated[Optional[Path], typer.Option(help="The draft mode
 DispatchOption = Annotated[
     str,
     typer.Option(
-        help="cover: smallest K covering the drafts; cost: most tokens per ms; auto: cost for greedy steps "
-        "with several KV slots or an int8/int4 package, cover otherwise."
+        help="cover: the smallest K covering the drafts; cost: the most expected tokens per ms (drafts that "
+        "do not pay are dropped); auto: cost for greedy steps, cover when sampling and on a one-slot graph that "
+        "pads every row to K + 1 (the vendor graph)."
     ),
 ]
 
@@ -48,32 +50,41 @@ def debug_enabled() -> bool:
     return os.environ.get("QSPEC_DEBUG", "") not in ("", "0")
 
 
-def run_guarded(work: Callable[[], None]) -> None:
-    """Run a command body: a QSpecError (or Ctrl-C) is one line on stderr and exit code 1.
+def fail(message: str, code: int = 1) -> typer.Exit:
+    """Print ``Error: message`` (one line, no markup) on stderr; returns the Exit to raise."""
+    console.print(f"[red]Error:[/] {escape(message)}")
+    return typer.Exit(code)
+
+
+@contextlib.contextmanager
+def cli_errors() -> Iterator[None]:
+    """A command body's error boundary: a QSpecError is one line on stderr and exit code 1, Ctrl-C exit 130.
 
     Any other exception is a bug: one line plus a hint to rerun with ``--debug`` for the traceback.
     """
     from qspec.errors import QSpecError
 
     try:
-        work()
+        yield
     except typer.Exit:
         raise
     except QSpecError as exc:
         if debug_enabled():
             raise
-        console.print(f"[red]Error:[/] {exc}", soft_wrap=True)
-        raise typer.Exit(1) from None
+        raise fail(str(exc)) from None
     except KeyboardInterrupt:
         console.print("[red]Interrupted.[/]")
         raise typer.Exit(130) from None
     except Exception as exc:
         if debug_enabled():
             raise
-        console.print(
-            f"[red]Error:[/] {type(exc).__name__}: {exc} (rerun with --debug for the traceback)", soft_wrap=True
-        )
-        raise typer.Exit(1) from None
+        raise fail(f"{type(exc).__name__}: {exc} (rerun with --debug for the traceback)") from None
+
+
+def run_guarded(work: Callable[[], None]) -> None:
+    """Run ``work()`` inside :func:`cli_errors`."""
+    with cli_errors():
+        work()
 
 
 @contextlib.contextmanager
@@ -85,14 +96,14 @@ def status(title: str) -> Iterator[Callable[[str], None]]:
     if not console.is_terminal:
 
         def say(message: str) -> None:
-            console.print(f"[dim]{time.perf_counter() - start:6.1f}s[/] {message}")
+            console.print(f"[dim]{time.perf_counter() - start:6.1f}s[/] {escape(message)}")
 
         yield say
         return
-    with console.status(title) as spinner:
+    with console.status(escape(title)) as spinner:
 
         def say(message: str) -> None:
-            console.print(f"[dim]{time.perf_counter() - start:6.1f}s[/] {message}")
-            spinner.update(message)
+            console.print(f"[dim]{time.perf_counter() - start:6.1f}s[/] {escape(message)}")
+            spinner.update(escape(message))
 
         yield say

@@ -6,7 +6,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from qspec_cli.common import (
@@ -22,10 +22,16 @@ from qspec_cli.common import (
     KsOption,
     PrefillSeqLenOption,
     SpecFormatOption,
+    cli_errors,
     console,
+    escape,
     run_guarded,
     status,
 )
+
+if TYPE_CHECKING:
+    from qspec.runtime import RequestOutput
+    from qspec.runtime.metrics import EngineMetrics
 
 app = typer.Typer(
     name="qspec",
@@ -33,12 +39,25 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # help text is plain: `qspec[serve]` and `run[fp16]/pkg` stay as written
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        print(f"qspec {version('qspec')}")
+        raise typer.Exit()
 
 
 @app.callback()
 def _root(
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.", envvar="QSPEC_DEBUG")] = False,
+    version: Annotated[
+        bool, typer.Option("--version", help="Print the version and exit.", callback=_version, is_eager=True)
+    ] = False,
 ) -> None:
     """Ahead-of-time compiler and runtime for multi-specialization speculative decoding."""
     if debug:
@@ -64,12 +83,22 @@ def compile(
     hidden_states: Annotated[
         bool, typer.Option(help="The graphs also return the final-norm hidden states (what a draft head reads).")
     ] = False,
-    aic_hw_version: Annotated[str, typer.Option(help="qaic: -aic-hw-version.")] = "ai100",
-    num_cores: Annotated[int, typer.Option(help="qaic: -aic-num-cores.")] = 16,
-    num_devices: Annotated[int, typer.Option(help="qaic: devices (>1 writes a partition config).")] = 1,
-    mxfp6_matmul: Annotated[bool, typer.Option(help="qaic: -mxfp6-matmul.")] = False,
+    aic_hw_version: Annotated[
+        Optional[str], typer.Option(help="qaic: -aic-hw-version, ai100 or ai200 (default: from qaic-util, else ai100).")
+    ] = None,
+    num_cores: Annotated[Optional[int], typer.Option(help="qaic: -aic-num-cores (default 16).")] = None,
+    num_devices: Annotated[Optional[int], typer.Option(help="qaic: devices (>1 writes a partition config).")] = None,
+    mxfp6_matmul: Annotated[bool, typer.Option(help="qaic: -mxfp6-matmul (MXFP6 weights).")] = False,
+    mxint8_kv_cache: Annotated[bool, typer.Option(help="qaic: KV cache in mxint8 (custom IO list).")] = False,
     mos: Annotated[Optional[int], typer.Option(help="qaic: -mos.")] = None,
     aic_enable_depth_first: Annotated[bool, typer.Option(help="qaic: -aic-enable-depth-first.")] = False,
+    qaic_option: Annotated[
+        Optional[list[str]],
+        typer.Option(help="qaic: one more -FLAG or -FLAG=VALUE for qaic-compile, verbatim (repeatable)."),
+    ] = None,
+    mdp_config: Annotated[
+        Optional[Path], typer.Option(help="qaic: your partition config (-mdp-load-partition-config), copied in.")
+    ] = None,
     draft_head: Annotated[
         Optional[Path],
         typer.Option(help="A draft head checkpoint folder (EAGLE-1, Medusa or QEfficient turbo) to compile in."),
@@ -83,6 +112,7 @@ def compile(
     def work() -> None:
         from qspec.backends.qaic import QaicOptions
         from qspec.compile import CompileOptions, compile_package
+        from qspec.errors import ConfigError
         from qspec.specializations import make_config
 
         spec = make_config(
@@ -94,18 +124,26 @@ def compile(
             comp_ctx_lengths_prefill=comp_ctx_lengths_prefill,
             comp_ctx_lengths_decode=comp_ctx_lengths_decode,
         )
+        qaic_flags = {  # QaicOptions field: (flag, value if given)
+            "aic_hw_version": ("--aic-hw-version", aic_hw_version),
+            "num_cores": ("--num-cores", num_cores),
+            "num_devices": ("--num-devices", num_devices),
+            "mxfp6_matmul": ("--mxfp6-matmul", mxfp6_matmul or None),
+            "mxint8_kv_cache": ("--mxint8-kv-cache", mxint8_kv_cache or None),
+            "mos": ("--mos", mos),
+            "aic_enable_depth_first": ("--aic-enable-depth-first", aic_enable_depth_first or None),
+            "compiler_options": ("--qaic-option", qaic_option or None),
+            "mdp_config": ("--mdp-config", str(mdp_config.resolve()) if mdp_config else None),
+        }
+        qaic_given = {field: value for field, (_, value) in qaic_flags.items() if value is not None}
+        if backend != "qaic" and qaic_given:
+            flags = ", ".join(qaic_flags[field][0] for field in qaic_given)
+            raise ConfigError(f"{flags}: qaic-only; add --backend qaic, or drop them for the {backend} backend")
         options = CompileOptions.create(
             specialization=spec,
             spec_format=spec_format,
             backend=backend,
-            qaic=QaicOptions.create(
-                aic_hw_version=aic_hw_version,
-                num_cores=num_cores,
-                num_devices=num_devices,
-                mxfp6_matmul=mxfp6_matmul,
-                mos=mos,
-                aic_enable_depth_first=aic_enable_depth_first,
-            ),
+            qaic=QaicOptions.create(**qaic_given),
             num_layers=num_layers,
             weight_format=weight_format,
             hidden_states=hidden_states,
@@ -117,7 +155,7 @@ def compile(
                 options,
                 output=output,
                 progress=say,
-                warn=lambda m: console.print(f"[yellow]Warning:[/] {m}"),
+                warn=lambda m: console.print(f"[yellow]Warning:[/] {escape(m)}"),
                 force=force,
             )
         from qspec.package import manifest_summary
@@ -138,8 +176,14 @@ def compile(
 
             head = read_head_manifest(folder)
             print(f"draft head: {head.method} ({head.layout}), {len(head.specializations)} specializations")
-        if manifest.qaic and not manifest.qaic.ran:
-            print(f"qaic-compile not found: the command is in {folder / manifest.qaic.script}")
+        if manifest.qaic:
+            qaic = manifest.qaic
+            if qaic.aic_hw_version is not None:  # None in a package of an older qspec
+                print(f"qaic: -aic-hw-version={qaic.aic_hw_version}, KV cache {qaic.kv_precision}")
+            for note in qaic.notes:
+                print(f"qaic: {note}")
+            if not qaic.ran:
+                print(f"qaic-compile not found: the command is in {folder / qaic.script}")
 
     run_guarded(work)
 
@@ -158,8 +202,7 @@ def specializations(
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="File to write (default: stdout).")] = None,
 ) -> None:
     """Write specializations.json for the given shapes (no model needed)."""
-
-    def work() -> None:
+    with cli_errors():
         from qspec.spec_file import SpecializationsFile
         from qspec.specializations import make_config
 
@@ -180,7 +223,82 @@ def specializations(
             count = len(request.write(output))
             print(f"wrote {output} ({count} specializations)")
 
-    run_guarded(work)
+
+@app.command()
+def info(
+    package: Annotated[Path, typer.Argument(help="A package directory written by `qspec compile`.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print it as JSON.")] = False,
+) -> None:
+    """Show what PACKAGE holds: the model, the K list, the specializations, the formats, the files."""
+    with cli_errors():
+        from qspec.package import package_info
+
+        found = package_info(package)
+        if as_json:
+            print(found.model_dump_json(indent=2))
+            return
+        rows = [
+            ("model", f"{found.model} ({found.model_type}, {found.num_layers} layers, vocab {found.vocab_size})"),
+            ("backend", found.backend),
+            ("weights", found.weight_format),
+            ("K", ",".join(map(str, found.num_speculative_tokens))),
+            ("ctx_len", found.ctx_len),
+            ("prefill_seq_len", found.prefill_seq_len),
+            ("KV slots", found.kv_slots),
+            ("created", found.created),
+            ("size", f"{found.total_bytes / 1e6:.1f} MB in {len(found.files)} files"),
+        ]
+        for label, value in rows:
+            print(f"{label:<16} {value}")
+        print("specializations")
+        for spec in found.specializations:
+            print(f"  {spec}")
+        print("files")
+        for name, size in found.files.items():
+            print(f"  {size / 1e6:10.1f} MB  {name}")
+
+
+def _generate_prompts(prompt: Optional[str], prompts_file: Optional[Path]) -> list:
+    """The prompts of ``--prompt`` or ``--prompts-file`` (a conversation line is one chat prompt)."""
+    from qspec.errors import ConfigError
+    from qspec.prompts import read_generate_prompts
+
+    if (prompt is None) == (prompts_file is None):
+        raise ConfigError("give exactly one of --prompt TEXT or --prompts-file FILE.jsonl")
+    if prompt is not None:
+        return [prompt]
+    prompts, multi_turn = read_generate_prompts(prompts_file)
+    if multi_turn:
+        console.print(
+            f"[yellow]Note:[/] {multi_turn} record(s) of {escape(str(prompts_file))} have several turns: generate "
+            'runs each first turn (a later turn needs the answer before it: give {"messages": [...]} lines, '
+            "or run `qspec bench --turns 2`)"
+        )
+    return prompts
+
+
+def summary_lines(metrics: EngineMetrics) -> list[str]:
+    """The run's numbers, one labelled line each (TTFT and TPOT are medians over the requests)."""
+    calls = ", ".join(f"K={k}: {n}" for k, n in metrics.calls.items() if k != "prefill")
+    rows = [
+        ("requests", f"{metrics.requests}"),
+        ("output tokens", f"{metrics.output_tokens} in {metrics.wall_s:.2f} s"),
+        ("throughput", f"{metrics.output_tokens_per_s:.1f} tokens/s"),
+        ("TTFT (median)", f"{metrics.ttft_ms_median:.0f} ms"),
+        ("TPOT (median)", f"{metrics.tpot_ms_median:.1f} ms"),
+        ("tokens per call", f"{metrics.mean_accepted_tokens:.2f}"),
+        ("acceptance", f"{metrics.acceptance_rate:.0%} of {metrics.proposed} drafts"),
+        ("calls", f"prefill: {metrics.calls.get('prefill', 0)}, {calls}"),
+    ]
+    return [f"{label:<16} {value}" for label, value in rows]
+
+
+def _json_document(outputs: list[RequestOutput], metrics: EngineMetrics | None) -> str:
+    requests = [o.to_dict() for o in sorted(outputs, key=lambda o: o.index)]
+    document = {"requests": requests, "metrics": metrics.to_dict() if metrics else None}
+    if metrics is None:
+        document["interrupted"] = True
+    return json.dumps(document, indent=2)
 
 
 @app.command()
@@ -188,10 +306,13 @@ def generate(
     package: Annotated[Path, typer.Argument(help="A package directory written by `qspec compile`.")],
     prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="One prompt.")] = None,
     prompts_file: Annotated[
-        Optional[Path], typer.Option(help='JSONL file: one {"prompt": ...} (or "turns": [...]) per line.')
+        Optional[Path],
+        typer.Option(help='JSONL file, one prompt a line: {"prompt": ...}, {"messages": [...]} or {"turns": [...]}.'),
     ] = None,
-    max_new_tokens: Annotated[int, typer.Option(help="Most tokens to generate per prompt.")] = 128,
-    method: Annotated[str, typer.Option(help="none, pld, suffix or draft.")] = "pld",
+    max_new_tokens: Annotated[
+        int, typer.Option(help="Most tokens to generate per prompt (prompt + this must fit the package's ctx_len).")
+    ] = 128,
+    method: Annotated[str, typer.Option(help="none, pld (alias ngram), suffix or draft.")] = "pld",
     prompt_lookup_min: Annotated[int, typer.Option(help="pld: smallest n-gram to match.")] = 1,
     prompt_lookup_max: Annotated[int, typer.Option(help="pld: largest n-gram to match.")] = 3,
     draft_package: DraftPackageOption = None,
@@ -200,26 +321,26 @@ def generate(
     backend: Annotated[
         str, typer.Option(help="ort (ONNX Runtime, CPU) or qaic (the package's QPC on Cloud AI 100).")
     ] = "ort",
-    chat: Annotated[bool, typer.Option(help="Apply the tokenizer's chat template.")] = False,
+    num_threads: Annotated[Optional[int], typer.Option(help="ONNX Runtime threads (default: all cores).")] = None,
+    chat: Annotated[bool, typer.Option(help="Apply the tokenizer's chat template (messages lines always).")] = False,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
     top_k: Annotated[int, typer.Option(help="0 = off.")] = 0,
     top_p: Annotated[float, typer.Option(help="1 = off.")] = 1.0,
     seed: Annotated[Optional[int], typer.Option(help="Sampling seed.")] = None,
-    stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).")] = None,
+    stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable; empty ones are ignored).")] = None,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print token ids, text and metrics per request as JSON.")
     ] = False,
 ) -> None:
-    """Generate text from a compiled package with speculative decoding."""
+    """Generate text from a compiled package with speculative decoding.
 
-    def work() -> None:
-        from qspec.errors import ConfigError
-        from qspec.prompts import read_prompt_texts
+    With several prompts each result prints as it finishes; Ctrl-C keeps the finished ones (--json too).
+    """
+    with cli_errors():
         from qspec.runtime import Engine, SamplingParams
+        from qspec.runtime.request import check_budget
 
-        if (prompt is None) == (prompts_file is None):
-            raise ConfigError("give exactly one of --prompt TEXT or --prompts-file FILE.jsonl")
-        prompts = [prompt] if prompt is not None else read_prompt_texts(prompts_file)
+        prompts = _generate_prompts(prompt, prompts_file)
         params = SamplingParams.create(
             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop or []
         )
@@ -229,28 +350,53 @@ def generate(
         )
         with status("loading the package"):
             engine = Engine(
-                package, method=method, max_batch_size=max_batch_size, dispatch=dispatch, backend=backend, **knobs
+                package,
+                method=method,
+                max_batch_size=max_batch_size,
+                dispatch=dispatch,
+                backend=backend,
+                num_threads=num_threads,
+                **knobs,
             )
-        stream = not as_json and len(prompts) == 1
-        on_text = (lambda i, text: (sys.stdout.write(text), sys.stdout.flush())) if stream else None
-        outputs = engine.generate(prompts, params, chat=chat, on_text=on_text)
-        metrics = engine.last_metrics
-        if as_json:
-            print(json.dumps({"requests": [o.to_dict() for o in outputs], "metrics": metrics.to_dict()}, indent=2))
-            return
+        encoded = [engine.tokenizer.encode_prompt(p, chat=chat) for p in prompts]
+        for i, ids in enumerate(encoded):
+            check_budget(
+                "the prompt" if prompt is not None else f"prompt {i}", ids, max_new_tokens, engine.model.ctx_len
+            )
+        _run_generate(engine, encoded, params, as_json=as_json)
+
+
+def _run_generate(engine, encoded: list[list[int]], params, *, as_json: bool) -> None:
+    """Generate, printing text as it comes (one prompt) or each result as it finishes (several)."""
+    finished: list[RequestOutput] = []
+    stream = not as_json and len(encoded) == 1
+
+    def on_text(index: int, text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    def on_output(output: RequestOutput) -> None:
+        finished.append(output)
+        if not as_json and not stream:
+            print(f"--- {output.index}\n{output.text}", flush=True)
+
+    try:
+        engine.generate(encoded, params, on_text=on_text if stream else None, on_output=on_output)
+    except KeyboardInterrupt:
         if stream:
             sys.stdout.write("\n")
-        else:
-            for out in outputs:
-                print(f"--- {out.index}\n{out.text}")
-        console.print(
-            f"[dim]{metrics.output_tokens} tokens in {metrics.wall_s:.2f} s: {metrics.output_tokens_per_s:.1f} tok/s, "
-            f"TTFT {metrics.ttft_ms_median:.0f} ms, TPOT {metrics.tpot_ms_median:.1f} ms, "
-            f"{metrics.mean_accepted_tokens:.2f} tokens/call, acceptance {metrics.acceptance_rate:.0%}, "
-            f"calls per K {metrics.calls}[/]"
-        )
-
-    run_guarded(work)
+        if as_json:
+            print(_json_document(finished, None))
+        console.print(f"[red]Interrupted:[/] {len(finished)} of {len(encoded)} requests finished")
+        raise typer.Exit(130) from None
+    metrics = engine.last_metrics
+    if as_json:
+        print(_json_document(finished, metrics))
+        return
+    if stream:
+        sys.stdout.write("\n")
+    for line in summary_lines(metrics):
+        console.print(f"[dim]{escape(line)}[/]")
 
 
 def _register_optional() -> None:

@@ -6,9 +6,9 @@ from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
-from qspec_cli.common import DispatchOption, DraftPackageOption, console, run_guarded
+from qspec_cli.common import DispatchOption, DraftPackageOption, cli_errors, console, escape
 
-MethodOption = Annotated[str, typer.Option(help="Speculative method: none, pld, suffix or draft.")]
+MethodOption = Annotated[str, typer.Option(help="Speculative method: none, pld (alias ngram), suffix or draft.")]
 
 
 def _require_serve_extra() -> None:
@@ -29,7 +29,7 @@ def method_options(
 ) -> dict[str, Any]:
     from qspec.errors import ConfigError
 
-    if method == "pld":
+    if method in ("pld", "ngram"):
         return {"prompt_lookup_min": prompt_lookup_min, "prompt_lookup_max": prompt_lookup_max}
     if method == "draft":
         if draft_package is None:
@@ -60,18 +60,23 @@ def serve(
     served_model_name: Annotated[
         Optional[str], typer.Option(help="The `model` clients send (default: the package folder's name).")
     ] = None,
+    api_key: Annotated[
+        Optional[str],
+        typer.Option(
+            help="Clients must send it as 'Authorization: Bearer KEY' (default: no key).", envvar="QSPEC_API_KEY"
+        ),
+    ] = None,
     shutdown_timeout: Annotated[
         float, typer.Option(help="Seconds in-flight requests get to finish on SIGINT/SIGTERM.")
     ] = 10.0,
     log_level: Annotated[str, typer.Option(help="uvicorn log level (debug logs every request).")] = "info",
 ) -> None:
     """Serve PACKAGE with an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /metrics)."""
-
-    def work() -> None:
+    with cli_errors():
         _require_serve_extra()
         from qspec_cli.common import status
 
-        from qspec.serve.server import ServeOptions, build, make_server
+        from qspec.serve.server import ServeOptions, build, listen, make_server
 
         options = ServeOptions.create(
             package=package,
@@ -92,15 +97,16 @@ def serve(
             spinning=spinning,
             shutdown_timeout=shutdown_timeout,
             log_level=log_level,
+            api_key=api_key,
         )
+        sock = listen(options)  # before the load: a taken port is one line, not a traceback after it
         with status("loading the package"):
             app, worker = build(options)
         console.print(
-            f"serving [bold]{options.model_name}[/] ({method}, {worker.engine.num_slots} slots) on http://{host}:{port}/v1"
+            f"serving [bold]{escape(options.model_name)}[/] ({worker.engine.method}, {worker.engine.num_slots} slots) "
+            f"on http://{escape(host)}:{port}/v1"
         )
-        make_server(app, options).run()
-
-    run_guarded(work)
+        make_server(app, options).run(sockets=[sock])
 
 
 def serve_load(
@@ -121,8 +127,7 @@ def serve_load(
     as_json: Annotated[bool, typer.Option("--json", help="Print the reports as JSON.")] = False,
 ) -> None:
     """Load-test `qspec serve` on loopback: concurrent streaming clients, Poisson arrivals, bounded."""
-
-    def work() -> None:
+    with cli_errors():
         import json
 
         _require_serve_extra()
@@ -168,5 +173,3 @@ def serve_load(
             )
         if verify:
             console.print("every response equals the engine's greedy output for its prompt")
-
-    run_guarded(work)

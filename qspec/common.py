@@ -47,12 +47,26 @@ class FrozenModel(BaseModel):
             raise ConfigError(validation_message(exc)) from None
 
 
+def current_umask() -> int:
+    """The process's umask (read by setting it and setting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def with_umask(path: Path, mode: int) -> None:
+    """Give ``path`` (made by ``tempfile``: 0600 files, 0700 folders) ``mode`` less the user's umask, the
+    permissions any other output gets: a vendor SDK running as another user can read the package."""
+    os.chmod(path, mode & ~current_umask())
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` via a temporary file in the same directory and ``os.replace``."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
+        with_umask(Path(tmp), 0o666)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -69,6 +83,7 @@ def build_directory(final: Path, build: Callable[[Path], T]) -> T:
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
     try:
+        with_umask(tmp, 0o777)
         result = build(tmp)
         if final.exists():
             shutil.rmtree(final)

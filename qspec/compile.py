@@ -18,7 +18,7 @@ from pathlib import Path
 
 from pydantic import Field, model_validator
 
-from qspec import __version__
+from qspec import __version__, contract
 from qspec.backends.qaic import QaicOptions, prepare_qaic
 from qspec.common import FrozenModel
 from qspec.errors import QSpecError
@@ -41,7 +41,12 @@ from qspec.package import (
     write_package_atomic,
 )
 from qspec.spec_file import SpecFormat, write_specializations
-from qspec.specializations import SpecializationConfig, build_specializations, check_model_speculative_config
+from qspec.specializations import (
+    SpecializationConfig,
+    build_specializations,
+    ccl_notes,
+    check_model_speculative_config,
+)
 
 Progress = Callable[[str], None]
 
@@ -72,6 +77,35 @@ class CompileOptions(FrozenModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _qaic_options_need_qaic(self) -> CompileOptions:
+        given = qaic_options_given(self.qaic)
+        if self.backend != "qaic" and given:
+            raise ValueError(
+                f"{', '.join(given)} {'is a qaic option' if len(given) == 1 else 'are qaic options'}: "
+                f"add --backend qaic, or drop {'it' if len(given) == 1 else 'them'} for the {self.backend} backend"
+            )
+        return self
+
+
+def qaic_options_given(options: QaicOptions) -> list[str]:
+    """The qaic options that differ from their defaults, as ``num_cores=8``."""
+    defaults = QaicOptions()
+    return [
+        f"{name}={getattr(options, name)!r}"
+        for name in type(options).model_fields
+        if getattr(options, name) != getattr(defaults, name)
+    ]
+
+
+def qaic_ccl_rule(options: CompileOptions) -> SpecializationConfig:
+    """The specialization config to build: on the qaic backend the CCL lists follow qaic-compile's rules
+    (:mod:`qspec.ccl`, rule ``qefficient``), which the manifest then records for the runtime."""
+    config = options.specialization
+    if options.backend != "qaic" or config.ccl_rule == "qefficient":
+        return config
+    return SpecializationConfig.create(**(config.model_dump() | {"ccl_rule": "qefficient"}))
+
 
 def default_output(model: str | os.PathLike[str], options: CompileOptions) -> Path:
     """``packages/<model name>-k<Ks>[-fbs<F>]`` under the working directory."""
@@ -90,17 +124,28 @@ def _inputs_key(digest: str, options: CompileOptions) -> str:
     from qspec.backends.ort_optimize import RECIPE_VERSION
     from qspec.export.exporter import EXPORT_FORMAT
 
+    # The vendor options shape only a qaic package: an ort package is reused whatever they say. A draft
+    # head counts by its content (below), not its path.
+    exclude = {"draft_head"} | ({"qaic"} if options.backend != "qaic" else set())
     payload = json.dumps(
         {
             "digest": digest,
-            "options": options.model_dump(mode="json", exclude={"draft_head"}),
+            "options": options.model_dump(mode="json", exclude=exclude),
             "qspec": __version__,
             "export_format": EXPORT_FORMAT,
             "runtime_graph_recipe": RECIPE_VERSION,
+            "mdp_config": _file_digest(options.qaic.mdp_config) if options.backend == "qaic" else None,
         }
         | ({"draft_head": _head_digest(options.draft_head)} if options.draft_head else {})
     )
     return hashlib.sha256(payload.encode()).hexdigest()[:24]
+
+
+def _file_digest(path: str | None) -> str | None:
+    """The user's partition file by content: an edited file rebuilds the package (a missing one fails later)."""
+    if path is None or not Path(path).is_file():
+        return None
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def _head_digest(head_dir: str | None) -> str | None:
@@ -132,6 +177,7 @@ def compile_package(
     warn = warn or (lambda message: None)
     start = time.perf_counter()
     target = Path(output) if output is not None else default_output(model, options)
+    spec_config = qaic_ccl_rule(options)  # a bad bucket list fails before any work
 
     source = resolve_source(model)
     say("hashing model files")
@@ -145,7 +191,6 @@ def compile_package(
         if existing is not None and existing.inputs_key == key and (target / runtime_graph_file(existing)).is_file():
             return target, existing, True
 
-    spec_config = options.specialization
     export_options = ExportOptions(
         continuous_batching=spec_config.continuous_batching,
         speculative=spec_config.speculative,
@@ -157,9 +202,10 @@ def compile_package(
         threading.Thread(target=_import_runtime_graph_tools, daemon=True).start()
     export_dir, meta = export_model(model, export_options, progress=say, digest=digest)
     messages = check_model_speculative_config(meta.model.speculative_config, spec_config.num_speculative_tokens)
+    specs = build_specializations(spec_config)
+    messages += ccl_notes(spec_config, specs)
     for message in messages:
         warn(message)
-    specs = build_specializations(spec_config)
     entry = ModelEntry(
         **meta.model.model_dump(),
         source=meta.source,
@@ -205,6 +251,7 @@ def compile_package(
                 specializations_path=folder / SPECIALIZATIONS_FILE,
                 num_layers=entry.num_layers,
                 options=options.qaic,
+                feature_outputs=(contract.HIDDEN_STATES,) if options.exports_hidden_states else (),
             )
         if options.draft_head is not None:
             from qspec.heads.package import compile_head

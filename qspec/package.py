@@ -26,6 +26,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from qspec.backends.qaic import QaicResult
+from qspec.common import with_umask
 from qspec.errors import PackageError
 from qspec.spec_file import SpecFormat, read_specializations
 from qspec.specializations import Specialization, SpecializationConfig
@@ -98,6 +99,12 @@ class ModelEntry(ModelInfo):
     truncated_layers: int | None = None
 
 
+# RuntimeGraph.fusions keys of the two graph rewrites after which MatMuls run on live tokens only:
+# qspec.backends.ort_attention packs the rows' live tokens (continuous batching) or trims one row's padding.
+PACKED_TOKENS = "live_tokens"
+TRIMMED_ROWS = "trimmed_rows"
+
+
 class RuntimeGraph(BaseModel):
     """The graph the embedded runtime loads instead of ``model.onnx``, and how it was made."""
 
@@ -119,6 +126,11 @@ class RuntimeGraph(BaseModel):
     # its RoPE table, positions below it.
     rope_positions: int | None = None
     seconds: float
+
+    @property
+    def packs_live_tokens(self) -> bool:
+        """Its MatMuls run on live tokens only: a call costs its live tokens, not ``rows * (K + 1)``."""
+        return bool(self.fusions.get(PACKED_TOKENS) or self.fusions.get(TRIMMED_ROWS))
 
     def kv_slack(self, longest_seq_len: int) -> int:
         """Slots the runtime's KV buffers need beyond ``ctx_len`` for calls of up to ``longest_seq_len`` tokens:
@@ -232,6 +244,7 @@ def write_package_atomic(target: Path, build: Callable[[Path], None]) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     old = None
     try:
+        with_umask(tmp, 0o777)
         build(tmp)
         if target.exists():
             old = target.parent / f".{target.name}.old-{os.getpid()}"
@@ -267,4 +280,51 @@ def manifest_summary(manifest: Manifest) -> dict[str, Any]:
                 "compile_seconds": manifest.compile_seconds,
             }
         )
+    )
+
+
+class PackageInfo(BaseModel):
+    """What a package holds, for ``qspec info``: the model, the shapes, the formats, the files."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    package: str
+    model: str
+    model_type: str
+    num_layers: int
+    vocab_size: int
+    backend: Backend
+    weight_format: WeightFormat
+    num_speculative_tokens: list[int]
+    ctx_len: int
+    prefill_seq_len: int
+    kv_slots: int
+    specializations: list[str]
+    files: dict[str, int]  # relative path -> bytes
+    total_bytes: int
+    created: str
+
+
+def package_info(package: str | os.PathLike[str]) -> PackageInfo:
+    """The :class:`PackageInfo` of ``package`` (a PackageError if it is not one)."""
+    folder = Path(package)
+    manifest = read_manifest(folder)
+    config = manifest.config
+    files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
+    return PackageInfo(
+        package=str(folder),
+        model=manifest.model.source,
+        model_type=manifest.model.model_type,
+        num_layers=manifest.model.num_layers,
+        vocab_size=manifest.model.vocab_size,
+        backend=manifest.backend,
+        weight_format=manifest.weight_format,
+        num_speculative_tokens=list(config.num_speculative_tokens),
+        ctx_len=config.ctx_len,
+        prefill_seq_len=config.prefill_seq_len,
+        kv_slots=config.full_batch_size or config.batch_size,
+        specializations=[spec.describe() for spec in manifest.specializations],
+        files=files,
+        total_bytes=sum(files.values()),
+        created=manifest.created,
     )

@@ -1,8 +1,10 @@
 """Prompt files: MT-bench's ``question.jsonl`` (shipped with qspec) or any JSONL of prompts.
 
 One line per prompt: an MT-bench object (``{"question_id", "category", "turns": [...]}``), an
-object with a ``"prompt"`` or ``"text"`` string, or a bare JSON string. ``qspec bench`` reads
-every turn (:func:`load_prompts`), ``qspec generate`` the first one (:func:`read_prompt_texts`).
+OpenAI-style conversation (``{"messages": [{"role": "user", "content": ...}, ...]}``), an object with
+a ``"prompt"`` or ``"text"`` string, or a bare JSON string. ``qspec bench`` reads every turn
+(:func:`load_prompts`); ``qspec generate`` a conversation whole and of a record with turns the first
+one (:func:`read_generate_prompts`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,19 @@ class PromptRecord:
     id: str
     category: str
     turns: tuple[str, ...]
+    messages: tuple[dict[str, str], ...] = ()  # a "messages" line: the whole conversation
+
+
+def _messages(item: Any, number: int, path: Path) -> tuple[dict[str, str], ...]:
+    """The ``messages`` of a line: a non-empty list of ``{"role", "content"}`` strings."""
+    messages = item["messages"]
+    ok = isinstance(messages, list) and messages
+    ok = ok and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
+    )
+    if not ok:
+        raise ConfigError(f'{path}:{number}: "messages" must be a list of {{"role": ..., "content": ...}} strings')
+    return tuple({"role": m["role"], "content": m["content"]} for m in messages)
 
 
 def default_prompts_path() -> Path:
@@ -49,14 +64,19 @@ def _prompt_from_line(item: Any, number: int, path: Path) -> PromptRecord:
     if isinstance(item, str):
         return PromptRecord(str(number), DEFAULT_CATEGORY, (item,))
     if not isinstance(item, dict):
-        raise ConfigError(f'{path}:{number}: expected a JSON object with "turns" or "prompt"')
+        raise ConfigError(f'{path}:{number}: expected a JSON object with "turns", "messages" or "prompt"')
+    ident = str(item.get("question_id", item.get("id", number)))
+    category = str(item.get("category") or DEFAULT_CATEGORY)
+    if "messages" in item:
+        messages = _messages(item, number, path)
+        users = tuple(m["content"] for m in messages if m["role"] == "user") or (messages[-1]["content"],)
+        return PromptRecord(ident, category, users, messages)
     turns = item.get("turns")
     if turns is None:
         turns = [item.get("prompt") or item.get("text")]
     if not turns or not all(isinstance(t, str) and t for t in turns):
-        raise ConfigError(f'{path}:{number}: no "turns" list of strings, "prompt" or "text" string')
-    ident = str(item.get("question_id", item.get("id", number)))
-    return PromptRecord(ident, str(item.get("category") or DEFAULT_CATEGORY), tuple(turns))
+        raise ConfigError(f'{path}:{number}: no "turns" list of strings, "messages", "prompt" or "text" string')
+    return PromptRecord(ident, category, tuple(turns))
 
 
 def load_prompts(path: str | os.PathLike[str], *, per_category: int | None = None) -> list[PromptRecord]:
@@ -84,3 +104,12 @@ def load_prompts(path: str | os.PathLike[str], *, per_category: int | None = Non
 def read_prompt_texts(path: str | os.PathLike[str]) -> list[str]:
     """The first turn of every prompt of a JSONL file, in order."""
     return [prompt.turns[0] for prompt in load_prompts(path)]
+
+
+def read_generate_prompts(path: str | os.PathLike[str]) -> tuple[list[str | list[dict[str, str]]], int]:
+    """``(prompts, multi_turn)``: what ``qspec generate`` runs for each line, in order (a conversation's
+    messages, else the first turn), and how many records have turns it does not run (MT-bench's second
+    turns need the answer to the first: ``qspec bench`` runs them)."""
+    records = load_prompts(path)
+    prompts = [list(r.messages) if r.messages else r.turns[0] for r in records]
+    return prompts, sum(len(r.turns) > 1 and not r.messages for r in records)

@@ -22,9 +22,9 @@ import numpy as np
 from pydantic import Field
 
 from qspec.common import FrozenModel
-from qspec.runtime.backend import LoadedModel
 from qspec.runtime.engine import Engine
 from qspec.runtime.sampling import SamplingParams
+from qspec.runtime.session import LoadedModel
 
 
 class QualityReport(FrozenModel):

@@ -4,7 +4,8 @@ Flat (the default: older SDKs accept nothing else)::
 
     {"specializations": [{"batch_size": "1", "seq_len": "32", "ctx_len": "128", "num_logits_to_keep": "1"}, ...]}
 
-Named (newer SDKs): ``{"specializations": [{"name": "Decode_5", "symbols": {...}}, ...]}``. The reader
+Named (newer SDKs; QEfficient 1.22 writes only this): ``{"specializations": [{"name": "Decode_1", "symbols":
+{...}}, ...]}``. The reader
 takes both, with string or integer values, and gives :class:`~qspec.specializations.Specialization` s.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -24,24 +26,32 @@ from qspec.specializations import Specialization, SpecializationConfig, build_sp
 
 SpecFormat = Literal["flat", "named"]
 PREFILL_NAME = "Prefill"
+DECODE_NAME = "Decode"
 
 
 def specialization_names(specs: Sequence[Specialization]) -> list[str]:
-    """Names in the named form: ``Prefill`` for the leading prefill shapes, then ``Decode_{seq_len}``.
+    """Names in the named form, as QEfficient 1.22 gives them (``to_named_specializations``).
 
-    With compute-context-length buckets each name ends in its bucket: ``Prefill_256``, ``Decode_5_1024``.
-    The prefill shapes are the leading ones shaped like the first (same rows, seq_len, logits kept).
+    ``Prefill`` for the leading prefill shapes (shaped like the first: same rows, seq_len, logits
+    kept), ``Decode`` for the others; a name used more than once gets positional suffixes, the first
+    one included: K ``[0, 4]`` -> ``Prefill, Decode_0, Decode_1``; with two prefill buckets
+    ``Prefill_0, Prefill_1``. Nothing reads the names: the runtime picks a shape by its buffers.
     """
     first = specs[0] if specs else None
-    names, prefill = [], True
+    bases, prefill = [], True
     for spec in specs:
         prefill = prefill and (spec.batch_size, spec.seq_len, spec.num_logits_to_keep) == (
             first.batch_size,
             first.seq_len,
             first.num_logits_to_keep,
         )
-        name = PREFILL_NAME if prefill else f"Decode_{spec.seq_len}"
-        names.append(f"{name}_{spec.comp_ctx_lengths}" if spec.comp_ctx_lengths else name)
+        bases.append(PREFILL_NAME if prefill else DECODE_NAME)
+    counts = Counter(bases)
+    seen: Counter[str] = Counter()
+    names = []
+    for base in bases:
+        names.append(f"{base}_{seen[base]}" if counts[base] > 1 else base)
+        seen[base] += 1
     return names
 
 

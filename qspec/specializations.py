@@ -21,7 +21,7 @@ compiler exits 255)::
       {"batch_size": "1", "seq_len": "1", "ctx_len": "128", "num_logits_to_keep": "1"},
       {"batch_size": "1", "seq_len": "5", "ctx_len": "128", "num_logits_to_keep": "5"}]}
 
-or, for newer SDKs, the "named" form ``{"name": "Decode_5", "symbols": {...}}``.
+or, for newer SDKs, the "named" form ``{"name": "Decode_1", "symbols": {...}}`` (QEfficient's names).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from typing import Any
 from pydantic import Field, field_validator, model_validator
 
 from qspec import contract
+from qspec.ccl import QEFFICIENT_MAX_CCL_SPECIALIZATIONS, CclLists, CclRule, ccl_lists
 from qspec.common import FrozenModel
 from qspec.errors import ConfigError
 
@@ -172,9 +173,27 @@ class SpecializationConfig(FrozenModel):
     full_batch_size: int | None = Field(default=None, ge=1)
     speculative: bool = True  # the graph has the num_logits_to_keep input
     # Compute-context-length buckets (QEfficient's names): each prefill / decode shape is compiled once
-    # per bucket and attends only to that many KV slots. ctx_len is always a bucket.
+    # per bucket and attends only to that many KV slots. ``ccl_rule`` turns the given lists into the
+    # compiled buckets (qspec.ccl): "qspec" adds ctx_len, "qefficient" applies qaic-compile's rules.
+    # ``ccl_auto`` (QEfficient's ccl_enabled without lists; "auto" as a list): QEfficient's lists.
     comp_ctx_lengths_prefill: tuple[int, ...] | None = None
     comp_ctx_lengths_decode: tuple[int, ...] | None = None
+    ccl_rule: CclRule = "qspec"
+    ccl_auto: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _auto_lists(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        names = ("comp_ctx_lengths_prefill", "comp_ctx_lengths_decode")
+        autos = [n for n in names if isinstance(data.get(n), str) and data[n].strip().lower() == "auto"]
+        if not autos:
+            return data
+        given = [n for n in names if n not in autos and data.get(n) is not None]
+        if given:
+            raise ValueError(f"{autos[0]} auto makes both lists; drop {given[0]} or give both lists")
+        return {**data, **dict.fromkeys(autos), "ccl_auto": True}
 
     @field_validator("comp_ctx_lengths_prefill", "comp_ctx_lengths_decode", mode="before")
     @classmethod
@@ -219,11 +238,28 @@ class SpecializationConfig(FrozenModel):
                 "graph (with the num_logits_to_keep input); a non-speculative graph only runs "
                 "K=0: pass num_speculative_tokens=0 or export a speculative graph"
             )
-        self._check_ccls(
-            "comp_ctx_lengths_prefill", self.comp_ctx_lengths_prefill, self.prefill_seq_len, "prefill_seq_len"
-        )
-        self._check_ccls("comp_ctx_lengths_decode", self.comp_ctx_lengths_decode, k_max + 1, f"K={k_max} (seq_len)")
+        if self.ccl_rule == "qspec":  # QEfficient's rule caps and raises given values instead
+            self._check_ccls(
+                "comp_ctx_lengths_prefill", self.comp_ctx_lengths_prefill, self.prefill_seq_len, "prefill_seq_len"
+            )
+            self._check_ccls("comp_ctx_lengths_decode", self.comp_ctx_lengths_decode, k_max + 1, f"K={k_max} (seq_len)")
+        if self.comp_ctx_lengths:
+            try:
+                lists = self.ccl_lists()
+            except ConfigError as exc:
+                raise ValueError(str(exc)) from None
+            self._check_buckets("prefill", lists.prefill, self.prefill_seq_len, "prefill_seq_len", lists)
+            self._check_buckets("decode", lists.decode, k_max + 1, f"K={k_max} (seq_len)", lists)
         return self
+
+    def _check_buckets(self, which: str, buckets: tuple[int, ...], smallest: int, what: str, lists: CclLists) -> None:
+        """A compiled bucket must hold one call of its phase."""
+        if buckets[0] < smallest:
+            why = f" ({'; '.join(lists.changes)})" if lists.changes else ""
+            raise ValueError(
+                f"{which} bucket {buckets[0]} < {what} {smallest}{why}: a call of that shape cannot fit; "
+                "give larger buckets or a smaller shape"
+            )
 
     def _check_ccls(self, name: str, ccls: tuple[int, ...] | None, smallest: int, what: str) -> None:
         for ccl in ccls or ():
@@ -242,19 +278,31 @@ class SpecializationConfig(FrozenModel):
 
     @property
     def comp_ctx_lengths(self) -> bool:
-        """True when the graph has the ``comp_ctx_lengths`` input (some bucket list was given)."""
-        return self.comp_ctx_lengths_prefill is not None or self.comp_ctx_lengths_decode is not None
+        """True when the graph has the ``comp_ctx_lengths`` input (a bucket list was given, or ``auto``)."""
+        return self.ccl_auto or self.comp_ctx_lengths_prefill is not None or self.comp_ctx_lengths_decode is not None
+
+    def ccl_lists(self) -> CclLists:
+        """The compiled buckets of both phases under :attr:`ccl_rule`, with what the rule changed."""
+        return ccl_lists(
+            self.ccl_rule,
+            self.comp_ctx_lengths_prefill,
+            self.comp_ctx_lengths_decode,
+            ctx_len=self.ctx_len,
+            prefill_seq_len=self.prefill_seq_len,
+            auto=self.ccl_auto,
+        )
 
     def buckets(self, which: str) -> list[int | None]:
-        """Compute context lengths of the ``prefill`` or ``decode`` shapes, ascending; ctx_len included.
+        """Compute context lengths of the ``prefill`` or ``decode`` shapes, ascending.
 
-        ``[None]`` for a graph without the input. ``comp_ctx_lengths_decode=(256, 512)`` with
-        ``ctx_len=1024`` -> ``[256, 512, 1024]``; the prefill list, not given, -> ``[1024]``.
+        ``[None]`` for a graph without the input. Rule ``qspec``: ``comp_ctx_lengths_decode=(256, 512)``
+        with ``ctx_len=1024`` -> ``[256, 512, 1024]``; the prefill list, not given, -> ``[1024]``. Rule
+        ``qefficient`` on the same: decode ``[1024]``, prefill ``[992]`` (:mod:`qspec.ccl`).
         """
         if not self.comp_ctx_lengths:
             return [None]
-        given = self.comp_ctx_lengths_prefill if which == "prefill" else self.comp_ctx_lengths_decode
-        return sorted({*(given or ()), self.ctx_len})
+        lists = self.ccl_lists()
+        return list(lists.prefill if which == "prefill" else lists.decode)
 
 
 def make_config(**kwargs: Any) -> SpecializationConfig:
@@ -320,6 +368,26 @@ def build_specializations(config: SpecializationConfig) -> list[Specialization]:
         if spec not in specs:
             specs.append(spec)
     return specs
+
+
+def ccl_notes(config: SpecializationConfig, specs: Sequence[Specialization]) -> list[str]:
+    """What the CCL rule changed, and a warning when the count passes what QEfficient's lists make.
+
+    QEfficient compiles no K list with CCL (it raises NotImplementedError); qspec compiles every K at
+    every decode bucket, so the count grows as K x buckets.
+    """
+    if not config.comp_ctx_lengths:
+        return []
+    notes = list(config.ccl_lists().changes)
+    if len(specs) > QEFFICIENT_MAX_CCL_SPECIALIZATIONS:
+        ks = len(config.num_speculative_tokens)
+        notes.append(
+            f"{len(specs)} specializations ({len(config.buckets('prefill'))} prefill buckets, {ks} K x "
+            f"{len(config.buckets('decode'))} decode buckets): QEfficient's automatic lists stop at "
+            f"{QEFFICIENT_MAX_CCL_SPECIALIZATIONS} and no compile of more was seen; drop buckets or Ks if "
+            "qaic-compile fails"
+        )
+    return notes
 
 
 # --------------------------------------------------------------------------------------------

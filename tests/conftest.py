@@ -88,3 +88,17 @@ def tiny_model(tmp_path_factory):
         return made[key]
 
     return make
+
+
+def bench_targets():
+    """``bench/targets.py``, the project's goals (a script outside the package), loaded as a module."""
+    import importlib.util
+    import sys
+
+    if "bench_targets" not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / "bench" / "targets.py"
+        spec = importlib.util.spec_from_file_location("bench_targets", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["bench_targets"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["bench_targets"]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from qspec.bench import RunConfig, none_config, quick_options, render_markdown
 from qspec.bench.analysis import Collected, equality_checks, with_ratios
-from qspec.bench.peer_workers import GREEDY, LOOKUP
-from qspec.bench.peers import llama_cpp_configs, ort_genai_configs
+from qspec.bench.peers.runners import llama_cpp_configs, ort_genai_configs
+from qspec.bench.peers.workers import GREEDY, LOOKUP
 from qspec.bench.report import (
     BenchReport,
     ConfigSummary,
@@ -19,8 +19,10 @@ from qspec.bench.report import (
     Overall,
 )
 from qspec.bench.runners import RequestResult
-from qspec.bench.targets import _micro_targets, evaluate_targets
 from qspec.runtime.metrics import RequestMetrics, aggregate
+from tests.conftest import bench_targets
+
+_micro_targets, evaluate_targets = bench_targets()._micro_targets, bench_targets().evaluate_targets
 
 PLD_FP32 = RunConfig("pld", (0, 4), 1)
 PLD_INT4 = RunConfig("pld", (0, 4), 1, "qspec", "int4")
@@ -207,7 +209,7 @@ def _hand_made_report(summaries: list[ConfigSummary]) -> BenchReport:
         config="ort-genai-int4@1", reference="none-int4@1", kind="baseline", equal=2, total=2, mismatches=[]
     )
     equality = Equality(speculative_equal_none=True, all_equal=False, checks=[check, peer])
-    return BenchReport(meta=meta, configs=summaries, micro=None, memory=None, equality=equality, targets=[], outputs={})
+    return BenchReport(meta=meta, configs=summaries, micro=None, memory=None, equality=equality, outputs={})
 
 
 def test_markdown_shows_the_format_of_every_qspec_row():

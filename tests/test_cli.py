@@ -40,7 +40,7 @@ def test_specializations_command_writes_the_vendor_format(tmp_path):
     assert [s["seq_len"] for s in specs] == ["32", "1", "5"]
     out = tmp_path / "specs.json"
     assert qspec("specializations", "-k", "0,4", "--spec-format", "named", "-o", str(out)).returncode == 0
-    assert json.loads(out.read_text())["specializations"][2]["name"] == "Decode_5"
+    assert json.loads(out.read_text())["specializations"][2]["name"] == "Decode_1"  # QEfficient's names
 
 
 @pytest.mark.parametrize(
@@ -163,3 +163,106 @@ def test_identical_compile_is_reused(tiny_model, tmp_path):
     rebuilt = qspec(*base, "-k", "0,2")
     assert "wrote" in rebuilt.stdout
     assert json.loads((out / "manifest.json").read_text())["config"]["num_speculative_tokens"] == [0, 2]
+
+
+@pytest.fixture(scope="module")
+def cli_package(tiny_model, tmp_path_factory):
+    """A tiny llama package compiled by the CLI: K in [0, 4], ctx_len 64."""
+    out = tmp_path_factory.mktemp("cli") / "pkg"
+    result = qspec(
+        "compile", str(tiny_model("llama")), "-k", "0,4", "--ctx-len", "64", "--prefill-seq-len", "8", "-o", str(out)
+    )
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+def test_version_and_short_help():
+    """`qspec --version` prints the version; `-h` is --help, on every command."""
+    version = qspec("--version")
+    assert version.returncode == 0 and version.stdout.startswith("qspec ")
+    assert "Usage:" in qspec("-h").stdout and "--max-new-tokens" in qspec("generate", "-h").stdout
+
+
+def test_brackets_survive_in_errors_and_help(tmp_path):
+    """rich markup does not eat `[...]`: a path like run[fp16]/pkg stays whole in the one-line error (also
+    when long and piped: no hard wrap), and help texts keep `qspec[peers]`."""
+    folder = tmp_path / ("run[fp16]-" + "x" * 120) / "pkg"
+    assert_one_line_error(qspec("generate", str(folder), "--prompt", "hi"), str(folder))
+    assert "pip install 'qspec[peers]'" in " ".join(qspec("bench", "--help").stdout.split())
+
+
+def test_package_files_follow_the_umask(cli_package):
+    """Package files and folders get the user's umask (0644 / 0755 under 022), not tempfile's 0600 / 0700."""
+    assert cli_package.stat().st_mode & 0o777 == 0o755
+    assert (cli_package / "manifest.json").stat().st_mode & 0o777 == 0o644
+
+
+def test_info_shows_what_a_package_holds(cli_package):
+    """`qspec info` names the model, the K list, the specializations and the files with their sizes."""
+    result = qspec("info", str(cli_package))
+    assert result.returncode == 0, result.stderr
+    assert "K                0,4" in result.stdout and "manifest.json" in result.stdout
+    data = json.loads(qspec("info", str(cli_package), "--json").stdout)
+    assert data["num_speculative_tokens"] == [0, 4] and data["ctx_len"] == 64 and len(data["specializations"]) == 3
+    assert data["total_bytes"] == sum(data["files"].values()) > 0
+
+
+def test_generate_options_newcomers_reach_for(cli_package, tmp_path):
+    """--num-threads, ngram (pld's alias), messages lines and an empty --stop are taken; the summary labels
+    its medians."""
+    prompts = tmp_path / "p.jsonl"
+    chat = {"messages": [{"role": "user", "content": "abab"}, {"role": "assistant", "content": "ab"}]}
+    prompts.write_text(json.dumps(chat) + '\n{"turns": ["abcabc", "again"]}\n')
+    args = ["--max-new-tokens", "6", "--num-threads", "1", "--method", "ngram", "--stop", ""]
+    result = qspec("generate", str(cli_package), "--prompts-file", str(prompts), *args)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("--- ") == 2
+    assert "TTFT (median)" in result.stderr and "TPOT (median)" in result.stderr
+    assert "1 record(s)" in result.stderr  # the multi-turn record: only its first turn runs, and it says so
+    data = json.loads(qspec("generate", str(cli_package), "-p", "abcabc", "--stop", "", "--json", *args[:2]).stdout)
+    assert len(data["requests"][0]["token_ids"]) == 6  # an empty stop string ends nothing (as on the server)
+
+
+def test_too_many_new_tokens_is_the_servers_error(cli_package):
+    """prompt + --max-new-tokens past ctx_len is a one-line error naming both flags (the server's 400), and
+    a too-long prompt's --ctx-len suggestion makes room for --max-new-tokens."""
+    assert_one_line_error(
+        qspec("generate", str(cli_package), "-p", "abc", "--max-new-tokens", "100"),
+        "--max-new-tokens 100",
+        "ctx_len 64",
+        "--ctx-len",
+    )
+    long = qspec("generate", str(cli_package), "-p", "x" * 100, "--max-new-tokens", "300")
+    assert_one_line_error(long, "ctx_len is 64")
+    assert "--ctx-len 4" in long.stderr  # ~100 prompt tokens + 300: a 4xx suggestion
+
+
+class _StoppedEngine:
+    """An engine stand-in whose generate finishes request 1 of 3, then is interrupted (Ctrl-C)."""
+
+    def generate(self, prompts, params, *, on_text=None, on_output=None):
+        from qspec.runtime.metrics import RequestMetrics
+        from qspec.runtime.request import RequestOutput
+
+        on_output(RequestOutput(1, [5], [6, 7], "done", "length", RequestMetrics()))
+        raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_ctrl_c_keeps_the_finished_results(capsys, as_json):
+    """Ctrl-C during generate --prompts-file: the finished request is printed (in the JSON too), exit 130."""
+    import typer
+    from qspec_cli.main import _run_generate
+
+    from qspec.runtime import SamplingParams
+
+    with pytest.raises(typer.Exit) as stopped:
+        _run_generate(_StoppedEngine(), [[1], [2], [3]], SamplingParams(), as_json=as_json)
+    assert stopped.value.exit_code == 130
+    out = capsys.readouterr()
+    if as_json:
+        data = json.loads(out.out)
+        assert data["interrupted"] and [r["text"] for r in data["requests"]] == ["done"]
+    else:
+        assert out.out == "--- 1\ndone\n"
+    assert "1 of 3 requests finished" in out.err

@@ -5,7 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from qspec.runtime.dispatch import AcceptanceStats, CallCosts, expected_tokens, pick_k_by_cost
+from qspec.runtime.dispatch import (
+    EXPLORE_EVERY,
+    AcceptanceStats,
+    CallCosts,
+    Dispatcher,
+    expected_tokens,
+    pick_k_by_cost,
+)
+from qspec.runtime.proposal import Proposal
 
 COSTS = {0: 40.0, 4: 80.0}
 PROMPTS = [[5, 6, 7, 8] * 3, [9, 10, 11] * 4, [20, 21] * 5, [30, 31, 32, 33, 34] * 2]
@@ -61,17 +69,47 @@ def test_never_a_k_above_the_one_covering_the_longest_proposal():
     assert pick_k_by_cost([0, 1, 4], noisy, [3, 0], np.cumprod([0.9] * 4)) == 4
 
 
-def test_none_at_batch_4_runs_k0_whatever_the_measured_costs(four_slots):
-    """method none with auto dispatch at 4 slots: every decode call is the smallest K, even if warm-up
-    measured the K=4 call cheaper (noisy machine)."""
+def proposals(*lengths: int, match_len: int = 0) -> list[Proposal]:
+    """One proposal a row, with ``lengths[r]`` drafts of class ``match_len``."""
+    return [Proposal(np.arange(7, 7 + n), match_len=match_len) for n in lengths]
+
+
+def test_none_plans_the_smallest_k_whatever_the_prices():
+    """`none` (k_max 0) at 4 rows runs the smallest K even if a noisy warm-up priced K=4 cheaper."""
+    dispatcher = Dispatcher([0, 4], mode="auto", k_max=0, prices=CallCosts({0: 50.0, 4: 10.0}))
+    assert dispatcher.plan(proposals(0, 0, 0, 0), greedy=True) == (0, [0, 0, 0, 0])
+
+
+def test_none_at_batch_4_runs_only_k0(four_slots):
+    """method none with auto dispatch at 4 slots: every decode call is the smallest K."""
     from qspec.runtime import Engine, SamplingParams
 
     engine = Engine(four_slots, method="none")
-    engine.call_ms = CallCosts({0: 50.0, 4: 10.0})  # as a noisy warm-up could leave them
-    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
-    engine.generate(["abc", "def", "ghi", "jkl"], params)
+    engine.generate(["abc", "def", "ghi", "jkl"], SamplingParams(max_new_tokens=6, ignore_eos=True))
     calls = engine.last_metrics.calls
     assert calls["4"] == 0 and calls["0"] > 0
+
+
+def test_modes_plan_cover_or_cost():
+    """cover runs the K covering the longest proposal; cost drops drafts that do not pay (c_1 = 0.5 prior,
+    K=4 twice K=0's price); auto is cost for greedy steps and cover when one samples."""
+    prices = CallCosts({0: 40.0, 4: 80.0})
+    offer = proposals(4, 0)
+    assert Dispatcher([0, 4], mode="cover").plan(offer, greedy=True) == (4, [4, 0])
+    assert Dispatcher([0, 4], mode="cost", prices=prices).plan(offer, greedy=True) == (0, [0, 0])
+    auto = Dispatcher([0, 4], mode="auto", prices=prices)
+    assert auto.step_mode(greedy=True) == "cost" and auto.step_mode(greedy=False) == "cover"
+    assert auto.plan(offer, greedy=False) == (4, [4, 0])
+
+
+def test_cost_mode_needs_prices_and_modes_are_checked():
+    """cost without prices and an unknown mode are configuration errors naming the fix."""
+    from qspec.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="needs the prices"):
+        Dispatcher([0, 4], mode="cost")
+    with pytest.raises(ConfigError, match="dispatch 'fast': use auto, cover, cost"):
+        Dispatcher([0, 4], mode="fast")
 
 
 def test_acceptance_stats_count_only_tried_drafts():
@@ -110,19 +148,29 @@ def test_call_costs_follow_the_calls_not_one_outlier():
     assert costs[4] == 30.0 and costs[0] == 10.0 and dict(costs) == {0: 10.0, 4: 30.0}
 
 
+def test_observed_calls_teach_a_price_set_too_low():
+    """A K=4 priced at almost nothing runs while it looks free; the calls observed teach its real price."""
+    dispatcher = Dispatcher([0, 4], mode="cost", prices=CallCosts({0: 10.0, 4: 1e-6}))
+    assert dispatcher.plan(proposals(4, 4), greedy=True)[0] == 4
+    for _ in range(5):
+        dispatcher.observe_call(4, 30.0, live_tokens=10)
+    assert dispatcher.prices[4] == 30.0
+    assert dispatcher.plan(proposals(4, 4), greedy=True) == (0, [0, 0])
+
+
 def test_cost_dispatch_learns_a_k_priced_too_low(four_slots):
-    """pld at 4 slots whose warm-up priced K=4 at almost nothing: its calls teach the real price, so
+    """pld at 4 slots whose dispatcher priced K=4 at almost nothing: its calls teach the real price, so
     K=4 stops looking free, and the output is `none`'s."""
     from qspec.runtime import Engine, SamplingParams
 
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     plain = greedy_none(four_slots, params)
     engine = Engine(four_slots, method="pld")
-    assert isinstance(engine.call_ms, CallCosts)
-    engine.call_ms = CallCosts({0: engine.call_ms[0], 4: 1e-6})
+    measured = engine.dispatcher.prices
+    engine.dispatcher = Dispatcher(engine.ks, mode="auto", prices=CallCosts({0: measured[0], 4: 1e-6}))
     assert [out.token_ids for out in engine.generate(PROMPTS, params)] == plain
     assert engine.last_metrics.calls["4"] > 0  # it ran K=4 while it looked free ...
-    assert engine.call_ms[4] > 1e-3  # ... and learned what a call costs
+    assert engine.dispatcher.prices[4] > 1e-3  # ... and learned what a call costs
 
 
 def test_a_larger_k_must_beat_the_smaller_by_the_margin():
@@ -195,43 +243,54 @@ def test_call_costs_price_live_tokens():
     assert round(costs.price(4, 8), 6) == 31.2 and round(costs.price(0, 4), 6) == 21.6
 
 
+class FixedCosts(CallCosts):
+    """Prices that calls do not move (a tiny model's ~1 ms calls are noise)."""
+
+    def observe(self, k: int, ms: float, live_tokens: int = 0) -> None:
+        pass
+
+
+def rejecting_dispatcher(ks: list[int], prices: CallCosts) -> Dispatcher:
+    """A cost dispatcher that has seen every draft so far, after any n-gram match, rejected."""
+    dispatcher = Dispatcher(ks, mode="cost", prices=prices)
+    for match_len in range(4):
+        for _ in range(2000):
+            dispatcher.observe_acceptance(proposed=4, accepted=0, match_len=match_len)
+    return dispatcher
+
+
+def test_every_explore_every_plans_one_plan_verifies_one_draft_a_row():
+    """Drafts priced out EXPLORE_EVERY - 1 times in a row: the next plan verifies one draft a row."""
+    dispatcher = rejecting_dispatcher([0, 1, 4], FixedCosts({0: 10.0, 1: 20.0, 4: 30.0}))
+    plans = [dispatcher.plan(proposals(4, 2, 0), greedy=True) for _ in range(EXPLORE_EVERY)]
+    assert plans[:-1] == [(0, [0, 0, 0])] * (EXPLORE_EVERY - 1)
+    assert plans[-1] == (1, [1, 1, 0])
+
+
 def test_cost_dispatch_keeps_verifying_drafts_it_priced_out(four_slots):
     """pld at 4 slots whose acceptance estimate says drafts never pass: every EXPLORE_EVERY steps with
     drafts on offer one step verifies one draft a row, so the estimate can recover; output is `none`'s."""
     from qspec.runtime import Engine, SamplingParams
-    from qspec.runtime.dispatch import EXPLORE_EVERY
 
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     plain = greedy_none(four_slots, params)
     engine = Engine(four_slots, method="pld")
     assert engine.model.packs_live_tokens  # a continuous-batching runtime graph prices live tokens
-    for match_len in range(4):  # as if every draft so far, after any n-gram match, had been rejected
-        for _ in range(2000):
-            engine.stats.observe(proposed=4, accepted=0, match_len=match_len)
-    # Fixed prices (a tiny model's ~1 ms calls are noise): K=4 never pays, only exploration runs it.
-    engine.call_ms = CallCosts({0: 10.0, 4: 30.0})
-    engine.call_ms.observe = lambda *args: None
+    engine.dispatcher = rejecting_dispatcher(engine.ks, FixedCosts({0: 10.0, 4: 30.0}))  # K=4 never pays
     assert [out.token_ids for out in engine.generate(PROMPTS, params)] == plain
     metrics = engine.last_metrics
     assert 0 < metrics.calls["4"] <= metrics.calls["0"] // (EXPLORE_EVERY - 1) + 1
 
 
-def test_engine_sends_each_row_as_deep_as_its_match_class_pays(four_slots):
-    """A 4-slot engine that has seen 3-gram drafts pass and 1-gram drafts fail plans one call where the
+def test_each_row_goes_as_deep_as_its_match_class_pays():
+    """A dispatcher that has seen 3-gram drafts pass and 1-gram drafts fail plans one call where the
     row continuing a 3-gram match verifies all 4 drafts and the rows continuing 1-gram matches none; a
     row of an unseen class borrows the pooled first-draft rate (0.5 here): its first draft pays at a
     20 ms call plus 1 ms a live token (0.5 tokens for 1 ms against ~0.28 a ms), its second does not."""
-    from qspec.runtime import Engine, SamplingParams
-    from qspec.runtime.proposal import Proposal
-    from qspec.runtime.request import SequenceState
-
-    engine = Engine(four_slots, method="pld")
-    engine.call_ms = CallCosts({0: 24.0, 4: 24.0}, per_token=1.0, measured_tokens={0: 4, 4: 4})  # 20 ms + 1 a token
+    prices = CallCosts({0: 24.0, 4: 24.0}, per_token=1.0, measured_tokens={0: 4, 4: 4})  # 20 ms + 1 a token
+    dispatcher = Dispatcher([0, 4], mode="cost", prices=prices)
     for _ in range(50):
-        engine.stats.observe(proposed=4, accepted=4, match_len=3)
-        engine.stats.observe(proposed=4, accepted=0, match_len=1)
-    live = [SequenceState(i, [1, 2, 3], SamplingParams(max_new_tokens=8)) for i in range(4)]
-    drafts = np.array([7, 8, 9, 10])
-    proposals = [Proposal(drafts, match_len=m) for m in (3, 1, 1, 2)]
-    k, depths = engine.plan(live, proposals)
-    assert (k, depths) == (4, [4, 0, 0, 1])
+        dispatcher.observe_acceptance(proposed=4, accepted=4, match_len=3)
+        dispatcher.observe_acceptance(proposed=4, accepted=0, match_len=1)
+    offer = [Proposal(np.array([7, 8, 9, 10]), match_len=m) for m in (3, 1, 1, 2)]
+    assert dispatcher.plan(offer, greedy=True) == (4, [4, 0, 0, 1])

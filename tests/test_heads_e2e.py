@@ -70,11 +70,29 @@ def heads(model, tmp_path_factory):
     for method in ("eagle", "medusa"):
         args = ["train-head", str(package), "--output", str(root / method), "--method", method]
         args += ["--prompts", "40", "--dialogues", "40", "--max-new-tokens", "40", "--epochs", "8"]
-        args += ["--draft-vocab", "320", "--lr", "3e-3", "--json"]
+        args += ["--draft-vocab", "320", "--lr", "3e-3", "--work-dir", str(root / "work"), "--json"]
         result = CliRunner().invoke(app, args)
         assert result.exit_code == 0, result.output
         out[method] = (root / method, json.loads(result.output[result.output.index("{") :]))
     return out
+
+
+@pytest.fixture(scope="module")
+def head_package(model, heads, tmp_path_factory):
+    """Factory: ``head_package(head, weight_format, fbs)`` -> a package with that trained head, compiled once."""
+    root = tmp_path_factory.mktemp("head-packages")
+    made = {}
+
+    def make(head: str, weight_format: str = "fp32", fbs: int | None = None):
+        key = (head, weight_format, fbs)
+        if key not in made:
+            folder = root / f"{head}-{weight_format}-{fbs}"
+            made[key] = compile_tiny(
+                model, folder, fbs=fbs, weight_format=weight_format, draft_head=str(heads[head][0])
+            )
+        return made[key]
+
+    return make
 
 
 def run(package, prompts, *, n=24, **engine_options):
@@ -95,10 +113,9 @@ def test_training_writes_the_layouts_and_learns(heads):
 
 @pytest.mark.parametrize("method", ["eagle", "medusa", "eagle+pld"])
 @pytest.mark.parametrize("weight_format", ["fp32", "int4"])
-def test_head_greedy_equals_none(model, heads, tmp_path, method, weight_format):
+def test_head_greedy_equals_none(head_package, method, weight_format):
     """Greedy output with the head equals `none` of the same package, with drafts accepted (cover and cost)."""
-    head = heads[method.removesuffix("+pld")][0]
-    package = compile_tiny(model, tmp_path / "p", weight_format=weight_format, draft_head=str(head))
+    package = head_package(method.removesuffix("+pld"), weight_format)
     plain, _ = run(package, PROMPTS, method="none")
     for dispatch in ("cover", "auto"):
         spec, engine = run(package, PROMPTS, method=method, dispatch=dispatch)
@@ -108,10 +125,9 @@ def test_head_greedy_equals_none(model, heads, tmp_path, method, weight_format):
 
 
 @pytest.mark.parametrize("method", ["eagle", "medusa"])
-def test_head_continuous_batching_equals_batch_one(model, heads, tmp_path, method):
+def test_head_continuous_batching_equals_batch_one(head_package, method):
     """Four KV slots, six requests (admitted mid-batch): every output equals `none` at batch 1."""
-    head = heads[method][0]
-    package = compile_tiny(model, tmp_path / "cb", fbs=4, draft_head=str(head))
+    package = head_package(method, fbs=4)
     prompts = PROMPTS + [[7, 7, 8, 9, 10], list(range(60, 75))]
     plain, _ = run(package, prompts, method="none", max_batch_size=1)
     spec, engine = run(package, prompts, method=method, dispatch="cover")
@@ -119,9 +135,9 @@ def test_head_continuous_batching_equals_batch_one(model, heads, tmp_path, metho
     assert engine.last_metrics.accepted > 0
 
 
-def test_head_sampling_is_reproducible(model, heads, tmp_path):
+def test_head_sampling_is_reproducible(head_package):
     """A seeded sampled request gives the same tokens twice with the head."""
-    package = compile_tiny(model, tmp_path / "p", draft_head=str(heads["eagle"][0]))
+    package = head_package("eagle")
     params = SamplingParams(max_new_tokens=16, temperature=0.8, top_k=20, seed=7, ignore_eos=True)
     first = Engine(package, method="eagle").generate(PROMPTS[:2], params)
     second = Engine(package, method="eagle").generate(PROMPTS[:2], params)

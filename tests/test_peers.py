@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from qspec.bench import BenchReport, compare_outputs, quick_options, run_bench
-from qspec.bench.peer_models import PeerUnavailable, build_ort_genai, read_build
-from qspec.bench.peer_workers import GREEDY, LOOKUP
-from qspec.bench.peers import LLAMA_CPP, ORT_GENAI, PEER_MODULES, llama_cpp_configs, peer_request, plan_peers
+from qspec.bench.peers.models import PeerUnavailable, build_ort_genai, read_build
+from qspec.bench.peers.runners import LLAMA_CPP, ORT_GENAI, PEER_MODULES, llama_cpp_configs, peer_request, plan_peers
+from qspec.bench.peers.workers import GREEDY, LOOKUP
 
 MISSING = "qspec_tests_no_such_module"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -30,3 +30,23 @@ def test_bad_line_is_named(tmp_path):
     path.write_text('{"prompt": 3}\n')
     with pytest.raises(ConfigError, match="p.jsonl:1"):
         read_prompt_texts(path)
+
+
+def test_messages_lines_are_whole_conversations(tmp_path):
+    """An OpenAI-style {"messages": [...]} line is one chat prompt; records with several turns are counted."""
+    from qspec.prompts import read_generate_prompts
+
+    chat = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "again"},
+    ]
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in [{"messages": chat}, {"turns": ["a", "b"]}, "c"]))
+    prompts, multi_turn = read_generate_prompts(path)
+    assert prompts == [chat, "a", "c"] and multi_turn == 1
+    assert load_prompts(path)[0].turns == ("hi", "again")
+    path.write_text(json.dumps({"messages": [{"role": "user"}]}))
+    with pytest.raises(ConfigError, match='p.jsonl:1: "messages" must be'):
+        read_generate_prompts(path)

@@ -206,8 +206,8 @@ def test_make_proposer_methods():
 
 def test_make_proposer_unknown_method_lists_valid():
     """An unknown method raises ConfigError listing the valid ones."""
-    with pytest.raises(ConfigError, match="'eagle'.*none, pld, user, suffix, draft"):
-        make_proposer("eagle")
+    with pytest.raises(ConfigError, match="'hydra'.*none, pld, user, suffix, draft, eagle, medusa"):
+        make_proposer("hydra")
 
 
 def test_draft_comes_from_the_registry_and_needs_its_package():

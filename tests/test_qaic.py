@@ -15,7 +15,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from qspec import contract
-from qspec.backends import qaic
+from qspec.backends import qaic, qaic_target
 from qspec.backends.qaic import (
     QaicOptions,
     custom_io_yaml,
@@ -23,6 +23,13 @@ from qspec.backends.qaic import (
     mdp_partition_config,
     prepare_qaic,
     qaic_compile_argv,
+)
+from qspec.backends.qaic_target import (
+    Precisions,
+    detect_hw_version,
+    hw_version_from_util_output,
+    qefficient_precisions,
+    resolve_precisions,
 )
 from qspec.errors import CompileError, ConfigError
 from qspec.spec_file import write_specializations
@@ -64,6 +71,7 @@ def no_compiler(monkeypatch, tmp_path: Path) -> None:
     monkeypatch.delenv(qaic.COMPILER_ENV, raising=False)
     monkeypatch.setenv("PATH", str(empty))
     monkeypatch.setattr(qaic, "SDK_COMPILERS", (str(tmp_path / "opt" / "qaic-compile"),))
+    monkeypatch.setattr(qaic_target, "SDK_UTIL", str(tmp_path / "opt" / "qaic-util"))
 
 
 @pytest.fixture
@@ -94,15 +102,15 @@ def prepare(package: Path, **overrides) -> dict:
 
 
 def test_custom_io_two_layers_exact():
-    """Two layers: the 4 KV inputs, then their 4 _RetainedState twins, QEfficient's layout."""
+    """Two layers in QEfficient's order: per layer, key then value, each input before its _RetainedState."""
     expected = (
         " - IOName: past_key.0\n   Precision: float16\n\n"
-        " - IOName: past_value.0\n   Precision: float16\n\n"
-        " - IOName: past_key.1\n   Precision: float16\n\n"
-        " - IOName: past_value.1\n   Precision: float16\n\n"
         " - IOName: past_key.0_RetainedState\n   Precision: float16\n\n"
+        " - IOName: past_value.0\n   Precision: float16\n\n"
         " - IOName: past_value.0_RetainedState\n   Precision: float16\n\n"
+        " - IOName: past_key.1\n   Precision: float16\n\n"
         " - IOName: past_key.1_RetainedState\n   Precision: float16\n\n"
+        " - IOName: past_value.1\n   Precision: float16\n\n"
         " - IOName: past_value.1_RetainedState\n   Precision: float16\n\n"
     )
     assert custom_io_yaml(2) == expected
@@ -115,8 +123,8 @@ def test_custom_io_is_yaml_list_with_dtype():
     entries = yaml.safe_load(custom_io_yaml(1, kv_dtype="float32"))
     assert entries == [
         {"IOName": "past_key.0", "Precision": "float32"},
-        {"IOName": "past_value.0", "Precision": "float32"},
         {"IOName": "past_key.0_RetainedState", "Precision": "float32"},
+        {"IOName": "past_value.0", "Precision": "float32"},
         {"IOName": "past_value.0_RetainedState", "Precision": "float32"},
     ]
 
@@ -137,12 +145,86 @@ def test_mdp_partition_config_spans_all_devices():
 # --- options and command line --------------------------------------------------------------
 
 
-def test_options_kv_dtype_follows_convert_to_fp16():
-    """KV defaults to float16 with fp16 conversion, float32 without; fp16 KV on fp32 is refused."""
-    assert QaicOptions().kv_dtype == "float16"
-    assert QaicOptions(convert_to_fp16=False).kv_dtype == "float32"
+def test_precisions_of_a_float32_network():
+    """float32 network: -convert-to-fp16 and float16 KV (QEfficient); convert_to_fp16=False keeps float32 KV;
+    fp16 KV without conversion is refused."""
+    assert resolve_precisions(hw_version="ai100", graph_dtype="float32", mxint8_kv_cache=False) == Precisions(
+        convert_to_fp16=True, kv_precision="float16", pass_custom_io=True
+    )
+    keep = resolve_precisions(hw_version="ai100", graph_dtype="float32", mxint8_kv_cache=False, convert_to_fp16=False)
+    assert (keep.convert_to_fp16, keep.kv_precision) == (False, "float32")
     with pytest.raises(ConfigError, match="kv_dtype float16 needs convert_to_fp16=True"):
         QaicOptions.create(convert_to_fp16=False, kv_dtype="float16")
+
+
+def test_precisions_mxint8_kv():
+    """mxint8_kv_cache: custom IO mxint8, the network still converted to fp16, no compiler flag of its own."""
+    precisions = resolve_precisions(hw_version="ai100", graph_dtype="float32", mxint8_kv_cache=True)
+    assert precisions == Precisions(convert_to_fp16=True, kv_precision="mxint8", pass_custom_io=True)
+    with pytest.raises(ConfigError, match="give mxint8_kv_cache or kv_dtype float16, not both"):
+        QaicOptions.create(mxint8_kv_cache=True, kv_dtype="float16")
+
+
+def test_precisions_bfloat16_on_ai200_only():
+    """A bfloat16 network on ai200 keeps bfloat16 (no -convert-to-fp16) and the custom IO list is not passed;
+    on ai100 it is refused; bfloat16 KV on qspec's float32 network is refused with the reason."""
+    bf16 = qefficient_precisions(hw_version="ai200", graph_dtype="bfloat16", mxint8_kv_cache=False)
+    assert bf16 == Precisions(convert_to_fp16=False, kv_precision="bfloat16", pass_custom_io=False)
+    mx = qefficient_precisions(hw_version="ai200", graph_dtype="bfloat16", mxint8_kv_cache=True)
+    assert mx == Precisions(convert_to_fp16=False, kv_precision="mxint8", pass_custom_io=True)
+    with pytest.raises(ConfigError, match="needs -aic-hw-version=ai200"):
+        qefficient_precisions(hw_version="ai100", graph_dtype="bfloat16", mxint8_kv_cache=False)
+    with pytest.raises(ConfigError, match="kv_dtype bfloat16 needs a bfloat16 network"):
+        resolve_precisions(hw_version="ai200", graph_dtype="float32", mxint8_kv_cache=False, kv_dtype="bfloat16")
+    with pytest.raises(ConfigError, match="kv_dtype bfloat16 needs aic_hw_version ai200"):
+        QaicOptions.create(aic_hw_version="ai100", kv_dtype="bfloat16")
+
+
+def test_argv_bfloat16_network_skips_custom_io_and_fp16():
+    """Network and KV bfloat16 (ai200): neither -convert-to-fp16 nor -custom-IO-list-file, as QEfficient."""
+    bf16 = qefficient_precisions(hw_version="ai200", graph_dtype="bfloat16", mxint8_kv_cache=False)
+    argv = qaic_compile_argv(
+        compiler="c",
+        onnx_path="m",
+        specializations_path="s",
+        custom_io_path="i",
+        qpc_dir="q",
+        options=QaicOptions(),
+        hw_version="ai200",
+        precisions=bf16,
+    )
+    assert argv == ["c", "-aic-hw", "-aic-hw-version=ai200", "-m=m", "-retained-state", "-aic-num-cores=16",
+                    "-network-specialization-config=s", "-aic-binary-dir=q"]  # fmt: skip
+
+
+# --- hardware version -----------------------------------------------------------------------
+
+
+def fake_util(bin_dir: Path, variant: str) -> None:
+    """A qaic-util stand-in printing one device with FW IMAGE_VARIANT ``variant``."""
+    bin_dir.mkdir(exist_ok=True)
+    util = bin_dir / "qaic-util"
+    util.write_text(f"#!/bin/sh\necho 'QID 0'\necho '\tFW IMAGE_VARIANT:{variant}'\n")
+    util.chmod(0o755)
+
+
+def test_hw_version_from_util_output():
+    """QEfficient's parse: AIC200 in the first FW IMAGE_VARIANT is ai200; anything else (or nothing) ai100."""
+    assert hw_version_from_util_output("QID 0\n\tFW IMAGE_VARIANT:AIC200_CDH\n") == "ai200"
+    assert hw_version_from_util_output("QID 0\n\tFW IMAGE_VARIANT : AIC100_PCIe\n") == "ai100"
+    assert hw_version_from_util_output("") == "ai100"
+
+
+def test_detect_hw_version(no_compiler, monkeypatch, tmp_path):
+    """Given wins; else qaic-util decides; without qaic-util, ai100 and a message saying how to pick ai200."""
+    assert detect_hw_version("ai200").source == "given"
+    missing = detect_hw_version()
+    assert (missing.version, missing.source) == ("ai100", "default")
+    assert "no qaic-util found" in missing.message and "--aic-hw-version ai200" in missing.message
+    fake_util(tmp_path / "util", "AIC200_X")
+    monkeypatch.setenv("PATH", str(tmp_path / "util"))
+    found = detect_hw_version()
+    assert (found.version, found.source) == ("ai200", "qaic-util")
 
 
 def test_options_errors_are_one_line():
@@ -154,7 +236,8 @@ def test_options_errors_are_one_line():
 
 
 def test_argv_default_flags_in_order():
-    """Default options: fp16 conversion on, no mxfp6 / mos / depth-first / MDP."""
+    """Default options, in QEfficient's order: fp16 conversion on, no mxfp6 / mos / depth-first / MDP,
+    no -compile-only."""
     argv = qaic_compile_argv(
         compiler="qaic-compile",
         onnx_path="model.onnx",
@@ -165,21 +248,20 @@ def test_argv_default_flags_in_order():
     )
     assert argv == [
         "qaic-compile",
-        "-m=model.onnx",
         "-aic-hw",
         "-aic-hw-version=ai100",
+        "-m=model.onnx",
+        "-retained-state",
+        "-convert-to-fp16",
         "-aic-num-cores=16",
         "-network-specialization-config=specializations.json",
         "-custom-IO-list-file=custom_io.yaml",
-        "-retained-state",
-        "-convert-to-fp16",
-        "-compile-only",
         "-aic-binary-dir=qpc",
     ]
 
 
 def test_argv_all_optional_flags():
-    """Every optional flag appears when enabled, the MDP config last."""
+    """Every optional flag appears when enabled; the MDP template after the tuning flags, as QEfficient."""
     options = QaicOptions(
         aic_hw_version="ai200",
         num_cores=14,
@@ -197,24 +279,49 @@ def test_argv_all_optional_flags():
         options=options,
         mdp_path=Path("mdp.json"),
     )
-    assert argv[3:] == [
+    assert argv[1:] == [
+        "-aic-hw",
         "-aic-hw-version=ai200",
-        "-aic-num-cores=14",
-        "-network-specialization-config=s.json",
-        "-custom-IO-list-file=io.yaml",
+        "-m=m.onnx",
         "-retained-state",
         "-convert-to-fp16",
         "-mxfp6-matmul",
+        "-aic-num-cores=14",
         "-mos=1",
         "-aic-enable-depth-first",
-        "-compile-only",
-        "-aic-binary-dir=out",
         "-mdp-load-partition-config=mdp.json",
+        "-network-specialization-config=s.json",
+        "-custom-IO-list-file=io.yaml",
+        "-aic-binary-dir=out",
     ]
+
+
+def test_argv_compile_only_for_qaic_exec_only():
+    """-compile-only goes to the deprecated qaic-exec (which also runs networks), never to qaic-compile."""
+    paths = dict(onnx_path="m", specializations_path="s", custom_io_path="i", qpc_dir="q", options=QaicOptions())
+    assert "-compile-only" not in qaic_compile_argv(compiler="/opt/qti-aic/exec/qaic-compile", **paths)
+    assert qaic_compile_argv(compiler="/opt/qti-aic/exec/qaic-exec", **paths)[-1] == "-compile-only"
+
+
+def test_fake_compiler_rejects_compile_only(package, fake_compiler):
+    """The stand-in refuses -compile-only as current qaic-compile binaries do, so a test sees the drift."""
+    argv = [fake_compiler, *prepare(package, run=False).argv[1:], "-compile-only"]
+    result = subprocess.run(argv, cwd=package, capture_output=True, text=True)
+    assert result.returncode == 1
+    assert "-compile-only is no longer supported" in result.stderr
+
+
+def test_fake_compiler_rejects_unknown_flag(package, fake_compiler):
+    """An unknown flag fails the stand-in compile, named in the error."""
+    argv = [fake_compiler, *prepare(package, run=False).argv[1:], "-no-such-flag"]
+    result = subprocess.run(argv, cwd=package, capture_output=True, text=True)
+    assert result.returncode == 1
+    assert "unknown option '-no-such-flag'" in result.stderr
 
 
 def test_argv_without_fp16_conversion():
     """convert_to_fp16=False drops the flag."""
+    keep = resolve_precisions(hw_version="ai100", graph_dtype="float32", mxint8_kv_cache=False, convert_to_fp16=False)
     argv = qaic_compile_argv(
         compiler="c",
         onnx_path="m",
@@ -222,8 +329,46 @@ def test_argv_without_fp16_conversion():
         custom_io_path="i",
         qpc_dir="q",
         options=QaicOptions(convert_to_fp16=False),
+        precisions=keep,
     )
     assert "-convert-to-fp16" not in argv
+
+
+def test_argv_compiler_options_verbatim_after_tuning_flags():
+    """--qaic-option values go verbatim, in order, where QEfficient puts **compiler_options."""
+    options = QaicOptions(mos=1, compiler_options=("-ols=2", "-allow-mxint8-mdp-io", "-node-precision-info=p.yaml"))
+    argv = qaic_compile_argv(
+        compiler="c", onnx_path="m", specializations_path="s", custom_io_path="i", qpc_dir="q", options=options
+    )
+    assert argv[argv.index("-mos=1") + 1 : argv.index("-network-specialization-config=s")] == [
+        "-ols=2",
+        "-allow-mxint8-mdp-io",
+        "-node-precision-info=p.yaml",
+    ]
+
+
+def test_compiler_options_refused_with_the_fix():
+    """A flag qspec sets itself names the qspec option; a flag without one dash is refused."""
+    with pytest.raises(ConfigError, match="'-aic-num-cores=8': use --num-cores"):
+        QaicOptions.create(compiler_options=["-aic-num-cores=8"])
+    with pytest.raises(ConfigError, match="'-compile-only': qspec sets it"):
+        QaicOptions.create(compiler_options=["-compile-only"])
+    with pytest.raises(ConfigError, match="not -FLAG or -FLAG=VALUE"):
+        QaicOptions.create(compiler_options=["--ols=2"])
+
+
+def test_argv_user_mdp_after_model():
+    """The user's partition file is passed right after -m, where QEfficient passes mdp_load_partition_config."""
+    argv = qaic_compile_argv(
+        compiler="c",
+        onnx_path="m",
+        specializations_path="s",
+        custom_io_path="i",
+        qpc_dir="q",
+        options=QaicOptions(mdp_config="/home/me/parts.json"),
+        mdp_path="mdp.json",
+    )
+    assert argv[3:5] == ["-m=m", "-mdp-load-partition-config=mdp.json"]
 
 
 def test_argv_multi_device_needs_mdp_path():
@@ -338,7 +483,7 @@ def test_prepare_multi_device_writes_mdp(package, fake_compiler):
     info = prepare(package, options=QaicOptions(num_devices=2, num_cores=8))
     assert info.mdp_partition_config == "mdp.json"
     assert json.loads((package / "mdp.json").read_text()) == mdp_partition_config(2, 8)
-    assert info.argv[-1] == "-mdp-load-partition-config=mdp.json"
+    assert "-mdp-load-partition-config=mdp.json" in info.argv
 
 
 def test_script_runs_the_same_command(package, fake_compiler, monkeypatch):
@@ -384,3 +529,64 @@ def test_fake_compiler_requires_retained_state(package, fake_compiler):
     result = subprocess.run(argv, cwd=package, capture_output=True, text=True)
     assert result.returncode == 1
     assert "-retained-state" in result.stderr
+
+
+def test_prepare_mxint8_compiles(package, fake_compiler):
+    """--mxint8-kv-cache: every KV input and retained-state output is mxint8; the stand-in compiles it."""
+    info = prepare(package, options=QaicOptions(mxint8_kv_cache=True, mxfp6_matmul=True))
+    assert info.ran and info.kv_precision == "mxint8"
+    assert (package / "custom_io.yaml").read_text() == custom_io_yaml(NUM_LAYERS, kv_dtype="mxint8")
+    assert "-mxfp6-matmul" in info.argv and "-convert-to-fp16" in info.argv
+    assert not any("mxint8" in arg for arg in info.argv[1:])  # no flag: custom IO only, as QEfficient
+
+
+def test_prepare_says_how_the_hw_version_was_picked(package, fake_compiler, tmp_path, monkeypatch):
+    """No qaic-util: ai100 and a note; a qaic-util reporting AIC200: ai200 and a note on precisions."""
+    info = prepare(package)
+    assert info.aic_hw_version == "ai100" and "no qaic-util found" in info.notes[0]
+    fake_util(tmp_path / "util", "AIC200")
+    monkeypatch.setenv("PATH", os.pathsep.join([str(tmp_path / "util"), os.environ["PATH"]]))
+    info = prepare(package)
+    assert info.aic_hw_version == "ai200" and "-aic-hw-version=ai200" in info.argv
+    assert "qaic-util" in info.notes[0] and "bfloat16 needs a bfloat16 export" in info.notes[1]
+    assert prepare(package, options=QaicOptions(aic_hw_version="ai100")).notes == []
+
+
+def test_prepare_user_mdp_copied_and_passed(package, fake_compiler, tmp_path):
+    """--mdp-config: the user's file is copied into the package and wins over the template."""
+    user = tmp_path / "parts.json"
+    user.write_text('{"connections": [], "partitions": [{"name": "P", "devices": [{"deviceId": 3, "numCores": 4}]}]}')
+    info = prepare(package, options=QaicOptions(mdp_config=str(user), num_devices=2))
+    assert info.ran and info.mdp_partition_config == "mdp.json"
+    assert (package / "mdp.json").read_text() == user.read_text()
+    assert info.argv.count("-mdp-load-partition-config=mdp.json") == 1
+
+
+def test_prepare_bad_user_mdp(package, no_compiler, tmp_path):
+    """An unreadable or partition-less MDP file is a one-line ConfigError naming it."""
+    with pytest.raises(ConfigError, match="cannot read it as JSON"):
+        prepare(package, options=QaicOptions(mdp_config=str(tmp_path / "nope.json")))
+    (tmp_path / "empty.json").write_text("{}")
+    with pytest.raises(ConfigError, match="no 'partitions' list"):
+        prepare(package, options=QaicOptions(mdp_config=str(tmp_path / "empty.json")))
+
+
+def test_prepare_compiler_options_reach_the_compiler(package, fake_compiler):
+    """Passthrough flags the real compiler knows compile; the stand-in records them verbatim."""
+    info = prepare(package, options=QaicOptions(compiler_options=("-ols=2", "-allow-mxint8-mdp-io")))
+    record = json.loads((package / "qpc" / "fake_qaic_argv.json").read_text())
+    assert info.ran and "-ols=2" in record["argv"] and "-allow-mxint8-mdp-io" in record["argv"]
+
+
+def test_prepare_lists_feature_outputs(package, fake_compiler):
+    """A target graph with a hidden_states output lists it in custom IO (float16), and the stand-in, which
+    finds it among the graph's names, compiles it; without the entry the stand-in refuses."""
+    model = onnx.load(package / "model.onnx")
+    model.graph.node.append(helper.make_node("Identity", [contract.LOGITS], [contract.HIDDEN_STATES]))
+    model.graph.output.append(helper.make_tensor_value_info(contract.HIDDEN_STATES, TensorProto.FLOAT, None))
+    onnx.save(model, package / "model.onnx")
+    with pytest.raises(CompileError, match="hidden_states of the network is missing"):
+        prepare(package)
+    info = prepare(package, feature_outputs=(contract.HIDDEN_STATES,))
+    assert info.ran
+    assert (package / "custom_io.yaml").read_text().endswith(" - IOName: hidden_states\n   Precision: float16\n\n")

@@ -15,8 +15,8 @@ import pytest
 
 from qspec.compile import CompileOptions, compile_package
 from qspec.runtime import Engine, SamplingParams
-from qspec.runtime.backend import load_model
-from qspec.runtime.qaic import QaicRuntimeError
+from qspec.runtime.load import load_model
+from qspec.runtime.qaic_session import QaicRuntimeError
 from qspec.specializations import make_config
 
 TESTS = Path(__file__).parent
@@ -117,3 +117,22 @@ def test_ort_package_has_no_qpc(tiny_model, tmp_path, qaic_runtime):
     )
     with pytest.raises(QaicRuntimeError, match="compiled for ort.*--backend qaic"):
         load_model(folder, backend="qaic")
+
+
+def test_ccl_package_under_qaic_rules(tiny_model, tmp_path, monkeypatch, qaic_runtime):
+    """A qaic package with CCL follows qaic-compile's rules (prefill bucket moved below ctx_len, said in the
+    manifest's warnings); it gives the ORT tokens, and a prompt past its largest prefill bucket is refused
+    instead of being attended to in part."""
+    from qspec.errors import PromptTooLongError
+
+    monkeypatch.setenv("QAIC_COMPILE", str(TESTS / "fake_qaic" / "qaic-compile"))
+    spec = make_config(num_speculative_tokens="0,4", ctx_len=64, prefill_seq_len=8, comp_ctx_lengths_decode="32")
+    options = CompileOptions.create(specialization=spec, backend="qaic")
+    package, manifest, _ = compile_package(tiny_model("llama"), options, output=tmp_path / "ccl")
+    assert manifest.config.ccl_rule == "qefficient"
+    assert manifest.config.buckets("prefill") == [32] and manifest.config.buckets("decode") == [64]
+    assert "comp_ctx_lengths_prefill 64 moved to 32" in " ".join(manifest.warnings)
+    assert tokens(package, "qaic", "pld") == tokens(package, "ort", "none")
+    engine = Engine(package, method="none", backend="qaic")
+    with pytest.raises(PromptTooLongError, match="passes the largest prefill bucket 32"):
+        engine.generate(["x" * 40], SamplingParams(max_new_tokens=2))

@@ -292,7 +292,7 @@ def test_cost_dispatch_keeps_greedy_output(packages, reference):
         tokens, engine = run(package, PROMPTS, method="pld", dispatch="cost")
         for prompt, out in zip(PROMPTS, tokens):
             assert out == reference(prompt, 20)
-        assert set(engine.call_ms) == set(engine.ks)
+        assert set(engine.dispatcher.prices) == set(engine.ks)
     with pytest.raises(ConfigError, match="dispatch"):
         Engine(packages["0,4"], dispatch="fastest")
 
@@ -378,21 +378,18 @@ def test_auto_dispatch_costs_greedy_steps_on_live_token_graphs(packages):
     """`auto` is `cost` for greedy steps on a graph that runs live tokens only (one fp32 slot included:
     a K=8 call there costs 1.5x a K=0 call) and with several slots; `cover` on a one-slot graph that
     pads every row to K + 1 (its drafts are free up to the K it runs), or when one samples."""
-    from types import SimpleNamespace
+    from qspec.runtime.load import load_model
 
-    from qspec.runtime.backend import load_model
-
-    greedy, sampled = SimpleNamespace(params=SamplingParams()), SimpleNamespace(params=SamplingParams(temperature=0.7))
-    one_slot = Engine(packages["0,4"], method="pld")  # fp32, one slot: rows trimmed to their live tokens
-    assert one_slot.model.packs_live_tokens and one_slot.dispatch == "auto"
-    assert one_slot.dispatch_for([greedy]) == "cost" and one_slot.dispatch_for([sampled]) == "cover"
+    one_slot = Engine(packages["0,4"], method="pld").dispatcher  # fp32, one slot: rows trimmed to live tokens
+    assert one_slot.mode == "auto"
+    assert one_slot.step_mode(greedy=True) == "cost" and one_slot.step_mode(greedy=False) == "cover"
     padded = load_model(packages["0,4"], vendor_graph=True)  # model.onnx pads in every format
-    assert not padded.packs_live_tokens and Engine(packages["0,4"], method="pld", model=padded).dispatch == "cover"
+    assert not padded.packs_live_tokens
+    assert Engine(packages["0,4"], method="pld", model=padded).dispatcher.mode == "cover"
     engine = Engine(packages["cb"], method="pld")
-    assert engine.model.packs_live_tokens
-    assert engine.dispatch_for([greedy, greedy]) == "cost"
-    assert engine.dispatch_for([greedy]) == "cost"  # the last request alone still pays for every slot
-    assert engine.dispatch_for([greedy, sampled]) == "cover"  # seeded sampling must not depend on timings
+    assert engine.model.packs_live_tokens and engine.dispatcher.mode == "auto"
+    assert engine.dispatcher.step_mode(greedy=True) == "cost"  # the last request alone still pays every slot
+    assert engine.dispatcher.step_mode(greedy=False) == "cover"  # seeded sampling must not depend on timings
     with pytest.raises(ConfigError, match="dispatch 'fast': use auto, cover, cost"):
         Engine(packages["0,4"], dispatch="fast")
 

@@ -431,3 +431,41 @@ def test_smollm2_concurrent_chat_equals_generate(tmp_path, monkeypatch):
         assert server.metrics()["qspec:spec_decode_num_drafts_total"] > 0
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["--port", "TAKEN"], ["cannot listen on 127.0.0.1:", "--port"]),
+        (["--host", "no-such-host.invalid"], ["--host 'no-such-host.invalid'"]),
+        (["--log-level", "loud"], ["--log-level 'loud'", "debug"]),
+        (["--served-model-name", ""], ["--served-model-name is empty"]),
+    ],
+)
+def test_serve_startup_failures_are_one_line_before_the_load(tmp_path, args, words):
+    """A taken port, a bad host, an unknown log level, an empty model name: one `Error:` line and exit 1,
+    before the package is read (the package here does not exist)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        args = [str(taken.getsockname()[1]) if a == "TAKEN" else a for a in args]
+        cmd = [sys.executable, "-m", "qspec", "serve", str(tmp_path / "nope"), *args]
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("Error:"), result.stderr
+    for word in words:
+        assert word in lines[0]
+
+
+def test_api_key_is_required_when_set(package):
+    """With --api-key, /v1 routes answer 401 in OpenAI's error shape without the key and serve with it."""
+    running = Server(package, api_key="sesame")
+    try:
+        denied = httpx.get(f"{running.url}/v1/models")
+        assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(f"{running.url}/health").status_code == 200  # probes need no key
+        client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="sesame", max_retries=0)
+        assert client.completions.create(model=MODEL, prompt="abc", max_tokens=2).choices[0].text is not None
+    finally:
+        running.stop()

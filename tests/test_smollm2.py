@@ -16,6 +16,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SHIPPED_HEAD = Path(__file__).resolve().parents[1] / "heads" / "smollm2-135m-instruct-eagle"
 CTX = 512
 NEW_TOKENS = 48
 TOL = 1e-3
@@ -71,12 +72,13 @@ def compiled(tmp_path_factory):
     root = tmp_path_factory.mktemp("smollm2")
     made = {}
 
-    def make(ks: str, fbs: int | None = None, weight_format: str = "fp32") -> Path:
-        key = (ks, fbs, weight_format)
+    def make(ks: str, fbs: int | None = None, weight_format: str = "fp32", head: Path | None = None) -> Path:
+        key = (ks, fbs, weight_format, head)
         if key not in made:
             config = make_config(num_speculative_tokens=ks, prefill_seq_len=32, ctx_len=CTX, full_batch_size=fbs)
-            folder = root / f"{weight_format}-k{ks.replace(',', '_')}-{fbs}"
-            options = CompileOptions(specialization=config, weight_format=weight_format)
+            folder = root / f"{weight_format}-k{ks.replace(',', '_')}-{fbs}{'-head' if head else ''}"
+            draft_head = str(head) if head else None
+            options = CompileOptions(specialization=config, weight_format=weight_format, draft_head=draft_head)
             made[key] = compile_package(smollm2_path(), options, output=folder)[0]
         return made[key]
 
@@ -253,3 +255,49 @@ def test_generate_cli_json(compiled):
     [request] = data["requests"]
     assert len(request["token_ids"]) == 24 or request["finish_reason"] == "stop"
     assert request["text"] and data["metrics"]["output_tokens"] == len(request["token_ids"])
+
+
+@pytest.mark.parametrize("weight_format,fbs", [("fp32", None), ("int4", None), ("int4", 4)])
+def test_shipped_head_greedy_equals_plain(compiled, weight_format, fbs):
+    """The SmolLM2 EAGLE head that ships in heads/: eagle and eagle+pld outputs equal `none` of the same package,
+    and the head's drafts are accepted (at least 0.3 accepted drafts per target call on MT-bench prompts)."""
+    from qspec.runtime import Engine, SamplingParams
+
+    package = compiled("0,1,2,4", fbs, weight_format=weight_format, head=SHIPPED_HEAD)
+    prompts = mt_bench_prompts()
+    params = SamplingParams(max_new_tokens=NEW_TOKENS)
+    outputs, metrics = {}, {}
+    for method in ("none", "eagle", "eagle+pld"):
+        engine = Engine(package, method=method)
+        outputs[method] = [o.token_ids for o in engine.generate(prompts, params, chat=True)]
+        metrics[method] = engine.last_metrics
+    assert outputs["eagle"] == outputs["none"]
+    assert outputs["eagle+pld"] == outputs["none"]
+    eagle = metrics["eagle"]
+    assert eagle.accepted / eagle.sequence_calls > 0.3
+
+
+def test_hidden_states_output_keeps_int4_logits_bitwise(compiled):
+    """The int4 runtime graph with the hidden_states output (a package with a head) returns the same logits,
+    bit for bit, as the one without it, in a prefill chunk and in K=0 and K=4 calls."""
+    from qspec.runtime.model import CompiledModel
+
+    models = [CompiledModel(compiled("0,1,2,4", weight_format="int4", head=head)) for head in (None, SHIPPED_HEAD)]
+    rng = np.random.default_rng(1)
+    prompt, tokens = rng.integers(100, 30000, size=32), rng.integers(100, 30000, size=5)
+    for model in models:
+        model.prefill.reset()
+        model.prefill.input_ids[0] = prompt
+        model.prefill.position_ids[0] = np.arange(32)
+    first = [model.run(model.prefill)[0].copy() for model in models]
+    np.testing.assert_array_equal(*first)
+    for k in (0, 4):
+        rows = []
+        for model in models:
+            bound = model.decode[k]
+            bound.reset()
+            bound.input_ids[0, : k + 1] = tokens[: k + 1]
+            bound.position_ids[0, : k + 1] = np.arange(32, 33 + k)
+            rows.append(model.run(bound)[0].copy())
+        np.testing.assert_array_equal(*rows)
+    assert models[1].prefill.hidden_states is not None and models[0].prefill.hidden_states is None

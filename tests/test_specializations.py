@@ -191,7 +191,7 @@ def test_comp_ctx_lengths_buckets_times_ks():
         (5, 1024),  # decode: bucket-major, K ascending
     ]
     names = json.loads(specializations_to_json(specs, fmt="named"))["specializations"]
-    assert [n["name"] for n in names][:3] == ["Prefill_256", "Prefill_1024", "Decode_1_256"]
+    assert [n["name"] for n in names][:3] == ["Prefill_0", "Prefill_1", "Decode_0"]  # QEfficient's positional names
 
 
 @pytest.mark.parametrize(
@@ -342,11 +342,11 @@ def test_flat_json_has_only_string_values():
     assert text.endswith("}\n")
 
 
-def test_named_json_names_prefill_and_decode_by_seq_len():
-    """Named form: Prefill, then Decode_{seq_len} (K=0 -> Decode_1, K=4 -> Decode_5)."""
+def test_named_json_names_prefill_and_decode_as_qefficient():
+    """Named form, QEfficient's names: Prefill, then Decode_0, Decode_1 (positional when repeated)."""
     text = specializations_to_json(build_specializations(make_config(num_speculative_tokens="0,4")), fmt="named")
     entries = json.loads(text)["specializations"]
-    assert [e["name"] for e in entries] == ["Prefill", "Decode_1", "Decode_5"]
+    assert [e["name"] for e in entries] == ["Prefill", "Decode_0", "Decode_1"]
     assert entries[2]["symbols"] == {
         "batch_size": "1",
         "seq_len": "5",

@@ -58,7 +58,7 @@ def test_speculative_greedy_equals_plain_greedy_of_the_same_package(packages, fm
     """pld and suffix outputs equal `none` of the same quantized package, for every K list."""
     plain, _ = run(packages[fmt][ks], PROMPTS, method="none")
     auto, auto_engine = run(packages[fmt][ks], PROMPTS, method="pld")
-    assert auto == plain and auto_engine.dispatch == "auto"  # cost for greedy steps here (fp32 one slot: cover)
+    assert auto == plain and auto_engine.dispatcher.mode == "auto"  # cost for greedy steps here (fp32 one slot: cover)
     spec, engine = run(packages[fmt][ks], PROMPTS, method="pld", dispatch="cover")  # every draft verified
     assert spec == plain
     assert run(packages[fmt][ks], PROMPTS, method="suffix")[0] == plain

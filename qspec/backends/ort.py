@@ -1,10 +1,10 @@
 """The embedded backend: ONNX Runtime on the CPU, one static-shape session per specialization.
 
-Facts that shape this module (measured on the 2-core machines):
+Facts that shape this module (the numbers: ``docs/measurements.md``):
 
-- Each session pre-packs its own copy of every MatMul weight (≈ 0.5 GB for SmolLM2). Sharing the
-  initializers (``add_initializer``) does not share those copies in the Python API, and turning
-  pre-packing off makes a call ≈ 1.8× slower; so the compile-time check loads one static session at
+- Each session pre-packs its own copy of every MatMul weight. Sharing the initializers
+  (``add_initializer``) does not share those copies in the Python API, and turning pre-packing off
+  makes every call slower; so the compile-time check loads one static session at
   a time, and the runtime serves every specialization from one session (``qspec.runtime.model``).
 - Per-session thread pools spin while idle and steal the cores from the session that runs, so a
   process with several sessions lets at most one of them spin. (ORT's global thread pool would

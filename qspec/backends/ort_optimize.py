@@ -11,11 +11,10 @@ only, in this order:
    ``GroupQueryAttention`` node (:mod:`qspec.backends.ort_attention`, which maps the contract's
    position-driven KV write and padding onto it; q, k and v packed into one MatMul).
 
-``fp32`` stops here: the fused graph keeps its own weights, the packed q/k/v (66 MB for SmolLM2)
-and the RoPE tables, in ``model.ort.onnx.data``, page-aligned, and reads every other weight from the
-vendor graph's ``model.onnx.data`` (same names, same offsets), so a package holds those once. (Kept
-inline in the ``.onnx`` file instead, the same graph ran its calls 3-10 % slower: SmolLM2, K=0, 2 and
-4 at positions 100 and 400, packages built both ways, interleaved.) The session-level optimizations
+``fp32`` stops here: the fused graph keeps its own weights, the packed q/k/v and the RoPE tables, in
+``model.ort.onnx.data``, page-aligned, and reads every other weight from the vendor graph's
+``model.onnx.data`` (same names, same offsets), so a package holds those once (kept inline in the
+``.onnx`` file instead, the same graph's calls were slower). The session-level optimizations
 (constant folding, SiLU, MatMul + scale, ...) are ONNX Runtime's own at load time (``ORT_ENABLE_ALL``,
 the default).
 
@@ -46,21 +45,19 @@ from pathlib import Path
 from qspec import contract
 from qspec.common import build_directory
 from qspec.errors import CompileError
-from qspec.package import ORT_ONNX_FILE, AttentionInfo, RuntimeGraph, WeightFormat
+from qspec.package import ORT_ONNX_FILE, PACKED_TOKENS, TRIMMED_ROWS, AttentionInfo, RuntimeGraph, WeightFormat
 
 Progress = Callable[[str], None]
 
-# MatMulNBits settings, measured on the 2-core x86 machines (see the notes of issue 10).
+# MatMulNBits settings, chosen by measurement on the 2-core x86 machines (docs/measurements.md).
 BITS: dict[str, int] = {"int8": 8, "int4": 4}
 BLOCK_SIZE = 32
 # 4: int8 activations (the fast x86 kernels); 0: the unset default (fp32 activations: on this CPU
-# int4 K=4 calls cost ~2x level 4's and int8 calls ~20x, there is no fast fp32-activation kernel).
+# int4 and int8 calls are several times slower: there is no fast fp32-activation kernel).
 INT8_ACTIVATIONS = 4
 ACCURACY_LEVEL = INT8_ACTIVATIONS
 # Symmetric blocks (a scale, no zero point), as ONNX Runtime GenAI's builder makes them: the int8-activation
-# kernels skip the zero-point correction. Measured against asymmetric blocks (SmolLM2 Q4_1 GGUF, 16 MT-bench
-# prompts, interleaved): int4 decode 1.064x (none) and 1.073x (pld) the tokens/s, top-1 agreement with
-# fp32 0.673 vs 0.666; int8 1.036x, top-1 0.974 vs 0.963 (greedy outputs equal to fp32's: 5 vs 1 of 16).
+# kernels skip the zero-point correction, faster than asymmetric blocks at the same agreement with fp32.
 SYMMETRIC = True
 # Bump when the recipe below changes: cached runtime graphs are keyed by it.
 RECIPE_VERSION = 24
@@ -75,8 +72,8 @@ PAGE_BYTES = 4096
 def fuse(model) -> dict[str, int]:
     """RMSNorm and skip-RMSNorm fusions on an ``onnx_ir`` model; returns the count of each.
 
-    No constant folding first: the rules match the exported graph as it is, and folding (9 s for
-    SmolLM2, mostly weight transposes) is what ONNX Runtime does anyway when it loads the graph.
+    No constant folding first: the rules match the exported graph as it is, and folding (slow: mostly
+    weight transposes) is what ONNX Runtime does anyway when it loads the graph.
     """
     import onnx_ir.passes.common as common_passes
     from onnxscript import optimizer
@@ -208,7 +205,7 @@ def optimize_graph(
         fusions["group_query_attention"] = fuse_attention(
             model, attention, rope_positions, pack_qkv=True, pack_tokens=pack, trim_rows=not pack
         )
-        fusions["live_tokens" if pack else "trimmed_rows"] = 1
+        fusions[PACKED_TOKENS if pack else TRIMMED_ROWS] = 1
     quantized = 0
     own_data, vendor_data = target.name + ".data", None
     if bits is None:

@@ -22,18 +22,29 @@ import shutil
 import stat
 import subprocess
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from qspec import contract
+from qspec.backends.qaic_target import (
+    DEFAULT_HW_VERSION,
+    GraphDtype,
+    HwDetection,
+    HwVersion,
+    KvDtype,
+    Precisions,
+    detect_hw_version,
+    resolve_precisions,
+)
 from qspec.common import FrozenModel, write_text_atomic
 from qspec.errors import CompileError, ConfigError
 
 COMPILER_ENV = "QAIC_COMPILE"
 COMPILER_NAME = "qaic-compile"
 DEFAULT_COMPILER = "/opt/qti-aic/exec/qaic-compile"  # where the SDK installs it
-SDK_COMPILERS = (DEFAULT_COMPILER, "/opt/qti-aic/exec/qaic-exec")
+LEGACY_COMPILER_NAME = "qaic-exec"  # the SDK's older compile-and-run tool
+SDK_COMPILERS = (DEFAULT_COMPILER, f"/opt/qti-aic/exec/{LEGACY_COMPILER_NAME}")
 
 QPC_DIR = "qpc"
 QPC_PROGRAM = "programqpc.bin"  # what a successful compile leaves in QPC_DIR
@@ -42,41 +53,82 @@ MDP_FILE = "mdp.json"
 SCRIPT_FILE = "compile_qaic.sh"
 STDERR_TAIL_LINES = 20
 
-KvDtype = Literal["float16", "float32"]
+# Flags qspec sets itself: given through --qaic-option they would clash, so the option says which to use.
+OWN_FLAGS = {
+    "-m": None,
+    "-aic-hw": None,
+    "-aic-hw-version": "--aic-hw-version",
+    "-aic-num-cores": "--num-cores",
+    "-retained-state": None,
+    "-convert-to-fp16": None,
+    "-mxfp6-matmul": "--mxfp6-matmul",
+    "-mos": "--mos",
+    "-aic-enable-depth-first": "--aic-enable-depth-first",
+    "-mdp-load-partition-config": "--mdp-config",
+    "-network-specialization-config": None,
+    "-custom-IO-list-file": None,
+    "-aic-binary-dir": None,
+    "-compile-only": None,
+}
+
+
+def _check_compiler_option(option: str) -> str:
+    """One ``-FLAG`` or ``-FLAG=VALUE`` passed verbatim; flags qspec sets itself are refused."""
+    flag = option.partition("=")[0]
+    if not flag.startswith("-") or flag.startswith("--") or len(flag) < 2:
+        raise ValueError(f"compiler option {option!r} is not -FLAG or -FLAG=VALUE (one dash, as qaic-compile takes it)")
+    if flag in OWN_FLAGS:
+        use = OWN_FLAGS[flag]
+        hint = f"use {use}" if use else "qspec sets it"
+        raise ValueError(f"compiler option {option!r}: {hint}")
+    return option
 
 
 class QaicOptions(FrozenModel):
     """Options of the vendor compiler, named after its flags (``num_cores`` → ``-aic-num-cores``).
 
-    ``kv_dtype`` is the precision of the KV cache inputs and outputs on device. It defaults to
-    ``float16`` when the network is converted to fp16 and to ``float32`` otherwise; ``float16``
-    KV with ``convert_to_fp16=False`` is refused (it would mix precisions at every layer's KV).
+    ``aic_hw_version`` None: detected with ``qaic-util`` at compile time (ai100 without it).
+    ``convert_to_fp16`` / ``kv_dtype`` None: QEfficient's choice for the network on that card
+    (:mod:`qspec.backends.qaic_target`); ``mxint8_kv_cache`` makes the KV ``mxint8`` in the custom IO
+    list. ``compiler_options``: more ``-FLAG[=VALUE]`` passed verbatim (``-ols=2``,
+    ``-allow-mxint8-mdp-io``). ``mdp_config``: the user's multi-device partition file, copied into
+    the package; it wins over the template ``num_devices > 1`` writes, as in QEfficient.
     """
 
-    aic_hw_version: str = "ai100"
+    aic_hw_version: HwVersion | None = None
     num_cores: int = Field(default=16, ge=1)
     num_devices: int = Field(default=1, ge=1)
     mxfp6_matmul: bool = False
+    mxint8_kv_cache: bool = False
     mos: int | None = Field(default=None, ge=1)
     aic_enable_depth_first: bool = False
-    convert_to_fp16: bool = True
-    kv_dtype: KvDtype = "float16"
+    convert_to_fp16: bool | None = None
+    kv_dtype: KvDtype | None = None
+    compiler_options: tuple[str, ...] = ()
+    mdp_config: str | None = None
 
-    @model_validator(mode="before")
+    @property
+    def io_float_dtype(self) -> KvDtype:
+        """The float precision of a float32 network's KV (mxint8 aside) and feature IO on device:
+        ``kv_dtype`` when given, else float16 with fp16 conversion (the default), float32 without."""
+        return self.kv_dtype or ("float32" if self.convert_to_fp16 is False else "float16")
+
+    @field_validator("compiler_options")
     @classmethod
-    def _default_kv_dtype(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "kv_dtype" not in data:
-            fp16 = data.get("convert_to_fp16", True)
-            data = {**data, "kv_dtype": "float16" if fp16 else "float32"}
-        return data
+    def _check_compiler_options(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(_check_compiler_option(option) for option in value)
 
     @model_validator(mode="after")
-    def _check_kv_dtype(self) -> QaicOptions:
-        if self.kv_dtype == "float16" and not self.convert_to_fp16:
+    def _check_kv(self) -> QaicOptions:
+        if self.mxint8_kv_cache and self.kv_dtype is not None:
+            raise ValueError(f"give mxint8_kv_cache or kv_dtype {self.kv_dtype}, not both")
+        if self.kv_dtype == "float16" and self.convert_to_fp16 is False:
             raise ValueError(
                 "kv_dtype float16 needs convert_to_fp16=True (got convert_to_fp16=False); "
                 "use kv_dtype float32 or enable convert_to_fp16"
             )
+        if self.kv_dtype == "bfloat16" and self.aic_hw_version == "ai100":
+            raise ValueError("kv_dtype bfloat16 needs aic_hw_version ai200 (ai100 has no bfloat16)")
         return self
 
 
@@ -88,11 +140,14 @@ class QaicResult(FrozenModel):
     argv: list[str]  # the command line, also in ``script``
     script: str
     qpc_dir: str
-    custom_io: str
+    custom_io: str  # written always; passed unless network and KV are both bfloat16
     mdp_partition_config: str | None
     onnx: str
     specializations: str
     options: QaicOptions
+    aic_hw_version: HwVersion | None = None  # what the command targets (None: a package of an older qspec)
+    kv_precision: str | None = None  # the custom IO precision of the KV cache (likewise)
+    notes: list[str] = Field(default_factory=list)  # what was decided for the user, printed by ``qspec compile``
 
 
 # --------------------------------------------------------------------------------------------
@@ -101,25 +156,24 @@ class QaicResult(FrozenModel):
 
 
 def custom_io_yaml(num_layers: int, *, kv_dtype: str = "float16") -> str:
-    """QEfficient's custom IO list: every KV input, then every ``_RetainedState`` output.
+    """QEfficient's custom IO list: per layer, each KV input followed by its ``_RetainedState`` output.
 
     For one layer::
 
          - IOName: past_key.0
            Precision: float16
 
-         - IOName: past_value.0
+         - IOName: past_key.0_RetainedState
            Precision: float16
 
-         - IOName: past_key.0_RetainedState
+         - IOName: past_value.0
            Precision: float16
 
          - IOName: past_value.0_RetainedState
            Precision: float16
 
     """
-    inputs = contract.kv_names(num_layers)
-    names = inputs + [contract.retained(name) for name in inputs]
+    names = [n for name in contract.kv_names(num_layers) for n in (name, contract.retained(name))]
     return "".join(f" - IOName: {name}\n   Precision: {kv_dtype}\n\n" for name in names)
 
 
@@ -137,6 +191,9 @@ def mdp_partition_config(num_devices: int, num_cores: int) -> dict[str, Any]:
     }
 
 
+FP32_ON_AI100 = Precisions(convert_to_fp16=True, kv_precision="float16", pass_custom_io=True)
+
+
 def qaic_compile_argv(
     *,
     compiler: str,
@@ -145,34 +202,50 @@ def qaic_compile_argv(
     custom_io_path: str | os.PathLike[str],
     qpc_dir: str | os.PathLike[str],
     options: QaicOptions,
+    hw_version: HwVersion | None = None,
+    precisions: Precisions = FP32_ON_AI100,
     mdp_path: str | os.PathLike[str] | None = None,
 ) -> list[str]:
-    """The compiler's command line; ``mdp_path`` is required when ``num_devices > 1``."""
+    """The compiler's command line, in the order QEfficient's ``_compile`` builds it.
+
+    ``hw_version`` defaults to ``options.aic_hw_version`` (else ai100); ``precisions`` to a float32
+    network's. ``mdp_path``, required when ``num_devices > 1``: the user's file
+    (``options.mdp_config``) comes right after ``-m``, the template after the tuning flags, as in
+    QEfficient. ``-compile-only`` is not passed: current ``qaic-compile`` binaries reject it
+    (QEfficient removed it in 1.22); only the deprecated ``qaic-exec``, which also runs networks,
+    needs it to stop after compiling.
+    """
     if options.num_devices > 1 and mdp_path is None:
         raise ConfigError(
             f"num_devices {options.num_devices} needs an MDP partition config; pass mdp_path (prepare_qaic writes one)"
         )
+    mdp = [f"-mdp-load-partition-config={os.fspath(mdp_path)}"] if mdp_path is not None else []
+    user_mdp = options.mdp_config is not None
     argv = [
         compiler,
-        f"-m={os.fspath(onnx_path)}",
         "-aic-hw",
-        f"-aic-hw-version={options.aic_hw_version}",
-        f"-aic-num-cores={options.num_cores}",
-        f"-network-specialization-config={os.fspath(specializations_path)}",
-        f"-custom-IO-list-file={os.fspath(custom_io_path)}",
+        f"-aic-hw-version={hw_version or options.aic_hw_version or DEFAULT_HW_VERSION}",
+        f"-m={os.fspath(onnx_path)}",
+        *(mdp if user_mdp else []),
         "-retained-state",
     ]
-    if options.convert_to_fp16:
+    if precisions.convert_to_fp16:
         argv.append("-convert-to-fp16")
     if options.mxfp6_matmul:
         argv.append("-mxfp6-matmul")
+    argv.append(f"-aic-num-cores={options.num_cores}")
     if options.mos is not None:
         argv.append(f"-mos={options.mos}")
     if options.aic_enable_depth_first:
         argv.append("-aic-enable-depth-first")
-    argv += ["-compile-only", f"-aic-binary-dir={os.fspath(qpc_dir)}"]
-    if mdp_path is not None:
-        argv.append(f"-mdp-load-partition-config={os.fspath(mdp_path)}")
+    argv += options.compiler_options
+    argv += [] if user_mdp else mdp
+    argv.append(f"-network-specialization-config={os.fspath(specializations_path)}")
+    if precisions.pass_custom_io:
+        argv.append(f"-custom-IO-list-file={os.fspath(custom_io_path)}")
+    argv.append(f"-aic-binary-dir={os.fspath(qpc_dir)}")
+    if Path(compiler).name == LEGACY_COMPILER_NAME:
+        argv.append("-compile-only")  # qaic-exec compiles and runs; this makes it only compile
     return argv
 
 
@@ -264,6 +337,40 @@ def _resolve_compiler(run: bool | None) -> str | None:
     return compiler
 
 
+def _write_mdp(package_dir: Path, options: QaicOptions) -> str | None:
+    """The partition config in the package: the user's file copied, else the template for > 1 device."""
+    if options.mdp_config is not None:
+        source = Path(options.mdp_config)
+        try:
+            config = json.loads(source.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ConfigError(
+                f"--mdp-config {source}: cannot read it as JSON ({exc}); give a partition config file"
+            ) from None
+        if not isinstance(config, dict) or "partitions" not in config:
+            raise ConfigError(f"--mdp-config {source}: no 'partitions' list; give a qaic-compile partition config")
+        write_text_atomic(package_dir / MDP_FILE, source.read_text(encoding="utf-8"))
+        return MDP_FILE
+    if options.num_devices > 1:
+        mdp = mdp_partition_config(options.num_devices, options.num_cores)
+        write_text_atomic(package_dir / MDP_FILE, json.dumps(mdp, indent=2) + "\n")
+        return MDP_FILE
+    return None
+
+
+def _notes(hw: HwDetection, precisions: Precisions, graph_dtype: GraphDtype) -> list[str]:
+    """What the compile decided without being told, for the user to read."""
+    notes = [] if hw.source == "given" else [hw.message]
+    if hw.version == "ai200" and graph_dtype == "float32" and precisions.kv_precision == "float16":
+        notes.append(
+            "ai200: the float32 network is compiled as QEfficient compiles a float32 model "
+            "(-convert-to-fp16, float16 KV); bfloat16 needs a bfloat16 export"
+        )
+    if not precisions.pass_custom_io:
+        notes.append(f"network and KV are both bfloat16: {CUSTOM_IO_FILE} is written but not passed (as QEfficient)")
+    return notes
+
+
 def prepare_qaic(
     package_dir: Path,
     *,
@@ -271,23 +378,34 @@ def prepare_qaic(
     specializations_path: str | os.PathLike[str],
     num_layers: int,
     options: QaicOptions,
+    graph_dtype: GraphDtype = "float32",
+    feature_outputs: tuple[str, ...] = (),
     run: bool | None = None,
 ) -> QaicResult:
     """Write the vendor files and ``compile_qaic.sh`` into ``package_dir``; compile if possible.
 
-    ``run=None`` compiles when a compiler is found, ``run=True`` requires one, ``run=False``
-    only writes files. Returns the manifest entry of the backend (paths relative to the package).
+    The hardware version is ``options.aic_hw_version`` or detected (:func:`detect_hw_version`); the
+    precisions follow QEfficient for a ``graph_dtype`` network on that card. ``run=None`` compiles
+    when a compiler is found, ``run=True`` requires one, ``run=False`` only writes files.
+    ``feature_outputs`` (``hidden_states`` for a draft head) join the custom IO list in the float
+    precision a head's inputs take (:attr:`QaicOptions.io_float_dtype`), so they pass unconverted.
+    Returns the manifest entry of the backend (paths relative to the package).
     """
     package_dir = Path(package_dir)
     onnx_rel = _relative(onnx_path, package_dir)
     specs_rel = _relative(specializations_path, package_dir)
-    custom_io = custom_io_yaml(num_layers, kv_dtype=options.kv_dtype)
+    hw = detect_hw_version(options.aic_hw_version)
+    precisions = resolve_precisions(
+        hw_version=hw.version,
+        graph_dtype=graph_dtype,
+        mxint8_kv_cache=options.mxint8_kv_cache,
+        convert_to_fp16=options.convert_to_fp16,
+        kv_dtype=options.kv_dtype,
+    )
+    features = "".join(f" - IOName: {name}\n   Precision: {options.io_float_dtype}\n\n" for name in feature_outputs)
+    custom_io = custom_io_yaml(num_layers, kv_dtype=precisions.kv_precision) + features
     write_text_atomic(package_dir / CUSTOM_IO_FILE, custom_io)
-    mdp_rel = None
-    if options.num_devices > 1:
-        mdp = mdp_partition_config(options.num_devices, options.num_cores)
-        write_text_atomic(package_dir / MDP_FILE, json.dumps(mdp, indent=2) + "\n")
-        mdp_rel = MDP_FILE
+    mdp_rel = _write_mdp(package_dir, options)
 
     compiler = _resolve_compiler(run)
     argv = qaic_compile_argv(
@@ -297,6 +415,8 @@ def prepare_qaic(
         custom_io_path=CUSTOM_IO_FILE,
         qpc_dir=QPC_DIR,
         options=options,
+        hw_version=hw.version,
+        precisions=precisions,
         mdp_path=mdp_rel,
     )
     _write_executable(package_dir / SCRIPT_FILE, compile_script(argv))
@@ -313,4 +433,7 @@ def prepare_qaic(
         onnx=onnx_rel,
         specializations=specs_rel,
         options=options,
+        aic_hw_version=hw.version,
+        kv_precision=precisions.kv_precision,
+        notes=_notes(hw, precisions, graph_dtype),
     )

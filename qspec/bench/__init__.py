@@ -20,9 +20,10 @@ What one run does, in order (:func:`run_bench`):
    second phase asks each MT-bench follow-up, with ``none``'s first answer fed back.
 4. **Memory** (:mod:`.memory`): one spawned process per configuration loads its engine, generates a
    little and reports its RSS after loading and its peak.
-5. **Checks and targets** (:mod:`.analysis`, :mod:`.targets`): every configuration's greedy tokens
-   against ``none``'s of the same weight format at the same batch size (and the other formats' and
-   the baselines' against fp32 ``none``, as agreement), then the issue's targets, each with its numbers.
+5. **Checks** (:mod:`.analysis`): every configuration's greedy tokens against ``none``'s of the same
+   weight format at the same batch size (and the other formats' and the baselines' against fp32
+   ``none``, as agreement). The bench measures and reports; the project's own goals live outside the
+   package (``bench/targets.py`` reads ``report.json``).
 
 The report is a typed :class:`~qspec.bench.report.BenchReport`; :func:`write_report` writes
 ``report.json``, ``report.md`` and ``throughput.png`` (:mod:`.render`). Library code never prints:

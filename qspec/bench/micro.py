@@ -39,7 +39,7 @@ def time_calls(model, bounds: list, iterations: int, *, rounds: int = 5, warmup:
 
     The calls run in ``rounds`` rounds, each a share of every specialization's calls in turn, so a
     ratio between two specializations is not the machine's speed drifting between them (a shared
-    VM's speed moves by 10 % over minutes).
+    VM's speed moves over minutes).
     """
     for bound in bounds:  # each binding keeps its own inputs; the shapes share only the KV buffer
         prepare_call(model, bound)

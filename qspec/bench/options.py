@@ -39,9 +39,7 @@ class BenchOptions(FrozenModel):
     # Configurations at batch > 1: the first N prompts of each category (None: all; never fewer than
     # per_category), a round's share in one continuous-batching run. A run drains at its end (its last
     # requests decode with slots empty), and speculation's rows finish at different times where
-    # none's run in lockstep: in rounds of 8 requests over 4 slots the drain was a large share of
-    # every run (pld[0,4] at batch 4, one run: 16 requests 1.09x none, MT-bench's 80 first turns
-    # 1.19x, the prompt set of the published reference).
+    # none's run in lockstep: with few requests per run the drain is a large share of it.
     batch_per_category: int | None = Field(default=10, ge=1)
     turns: int = Field(default=1, ge=1, le=2)
     max_new_tokens: int = Field(default=128, ge=1)

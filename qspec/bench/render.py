@@ -79,9 +79,7 @@ def _equality(report: BenchReport) -> list[str]:
         for c in equality.checks
     ]
     header = ["config", "reference", "kind", "equal", "common prefix (mean)", "first mismatches (request@token)"]
-    lines += [""] + _table(header, rows)
-    targets = [[t.target, t.goal, t.measured, t.status] for t in report.targets]
-    return lines + ["", "## Targets", ""] + _table(["target", "goal", "measured", "status"], targets)
+    return lines + [""] + _table(header, rows)
 
 
 def _configs(report: BenchReport) -> list[str]:

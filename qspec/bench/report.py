@@ -226,13 +226,6 @@ class Equality(ReportModel):
     checks: list[EqualityCheck]
 
 
-class Target(ReportModel):
-    target: str
-    goal: str
-    measured: str
-    status: Literal["PASS", "MISS", "n/a"]
-
-
 class MachineInfo(ReportModel):
     cpu: str
     cores: int
@@ -293,7 +286,6 @@ class BenchReport(ReportModel):
     micro: MicroReport | None
     memory: MemoryReport | None
     equality: Equality
-    targets: list[Target]
     outputs: dict[str, dict[str, list[int]]]  # config key -> request id -> token ids
     ceilings: list[CeilingRow] = []
 

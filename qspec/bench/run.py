@@ -22,12 +22,10 @@ from qspec.bench.memory import run_memory
 from qspec.bench.micro import head_micro_benchmark, micro_benchmark, prefill_sweep
 from qspec.bench.options import BenchOptions, quick_options
 from qspec.bench.packages import Packages, ResolvedModel, compile_packages, package_count, resolve_model
-from qspec.bench.peer_models import PeerUnavailable
-from qspec.bench.peers import PeerPlan, plan_peers
+from qspec.bench.peers import PeerPlan, PeerUnavailable, plan_peers
 from qspec.bench.plan import TRANSFORMERS, Progress, RunConfig, Steps, none_config, plan_configs, rotated, rounds
 from qspec.bench.report import BenchReport, MachineInfo, MemoryReport, Meta, MicroReport, RunnerInfo, Skipped
 from qspec.bench.runners import QspecRunner, Runner, TransformersRunner
-from qspec.bench.targets import evaluate_targets
 from qspec.errors import ConfigError
 from qspec.heads.manifest import has_head
 from qspec.prompts import PromptRecord, default_prompts_path, load_prompts
@@ -358,7 +356,7 @@ def build_report(
     phases: dict[str, float],
     other_cpu: float,
 ) -> BenchReport:
-    """Summaries, ratios, equality checks and targets of what was measured, as one typed report."""
+    """Summaries, ratios and equality checks of what was measured, as one typed report."""
     collected = measured.collected
     summaries = with_ratios([summarize(c, peak_rss_mb=_peak_rss(c.config, measured)) for c in collected.values()])
     notes = list(plan.resolved.notes) + contention_notes(other_cpu, {s.key: s.round_other_cpu for s in summaries})
@@ -383,7 +381,6 @@ def build_report(
         micro=measured.micro,
         memory=measured.memory,
         equality=equality_checks(collected),
-        targets=evaluate_targets(summaries, measured.memory, measured.micro),
         outputs={key: c.tokens() for key, c in collected.items()},
         ceilings=ceilings(collected, measured.first_turns, measured.micro, measured.head_replays),
     )

@@ -1,4 +1,4 @@
-"""Child processes of a bench run: the memory probes, the transformers baseline, the peers (:mod:`.peer_workers`).
+"""Child processes of a bench run: the memory probes, the transformers baseline, the peers (:mod:`.peers.workers`).
 
 Each runs in a clean interpreter (a plain subprocess; messages over a socket), so torch's memory and
 threads never sit in the engine's process and a probe's RSS is its configuration's alone.
@@ -10,7 +10,6 @@ import time
 from typing import Any
 
 from qspec.bench.machine import peak_rss_mb, rss_mb
-from qspec.bench.peer_workers import hf_folder_main, llama_cpp_main, ort_genai_main
 from qspec.bench.plan import HF_LOOKUP_TOKENS
 from qspec.errors import QSpecError
 
@@ -91,7 +90,10 @@ def worker_main(fd: int) -> None:
     conn = Connection(fd)
     target, args = conn.recv()
     assert target in TARGETS, f"unknown worker target {target!r}"
-    TARGETS[target](conn, *args)
+    import importlib
+
+    module, function = TARGETS[target].split(":")
+    getattr(importlib.import_module(module), function)(conn, *args)
 
 
 def probe_main(
@@ -194,10 +196,12 @@ def transformers_main(conn, model_ref: str, num_threads: int, eos_token_ids: lis
         conn.close()
 
 
+# Worker targets as "module:function", imported in the child only: the peers' workers (which start
+# Workers of their own) are not imported by this module.
 TARGETS = {
-    "probe": probe_main,
-    "transformers": transformers_main,
-    "ort_genai": ort_genai_main,
-    "llama_cpp": llama_cpp_main,
-    "peer_hf_folder": hf_folder_main,
+    "probe": "qspec.bench.workers:probe_main",
+    "transformers": "qspec.bench.workers:transformers_main",
+    "ort_genai": "qspec.bench.peers.workers:ort_genai_main",
+    "llama_cpp": "qspec.bench.peers.workers:llama_cpp_main",
+    "peer_hf_folder": "qspec.bench.peers.workers:hf_folder_main",
 }

@@ -166,7 +166,7 @@ def collect_features(
 ) -> Path:
     """Hidden states of every record's prompt and answer from ``package`` (compiled with ``--hidden-states``),
     written to ``output`` (``.npz``)."""
-    from qspec.runtime.backend import load_model
+    from qspec.runtime.load import load_model
 
     say = progress or (lambda message: None)
     model = load_model(package, num_threads=num_threads, spinning=num_threads is None)

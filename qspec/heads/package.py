@@ -154,7 +154,7 @@ def head_custom_io(method: str, *, kv_dtype: str) -> str:
 def prepare_head_qaic(head_dir: Path, method: str, options: QaicOptions, *, run: bool | None = None) -> QaicResult:
     """Write ``custom_io.yaml`` and ``compile_qaic.sh`` for the head graph (paths relative to ``head_dir``);
     compile when a compiler is found (``run=None``), always (``True``) or never (``False``)."""
-    write_text_atomic(head_dir / CUSTOM_IO_FILE, head_custom_io(method, kv_dtype=options.kv_dtype))
+    write_text_atomic(head_dir / CUSTOM_IO_FILE, head_custom_io(method, kv_dtype=options.io_float_dtype))
     compiler = None if run is False else find_compiler()
     if run and compiler is None:
         raise ConfigError("no QAIC compiler found: set QAIC_COMPILE or put qaic-compile on PATH")

@@ -1,6 +1,6 @@
-"""Which compiled K a decode step runs.
+"""Which compiled K a decode step runs: the :class:`Dispatcher` (the modes and when ``auto`` picks which).
 
-``cover`` (the default, :func:`pick_k`): the smallest K that covers the batch's longest proposal.
+``cover`` (:func:`pick_k`): the smallest K that covers the batch's longest proposal.
 
 ``cost``: the K with the most expected tokens per millisecond, each row's drafts cut to the depth
 that pays (:func:`plan_by_cost`). With several sequences in flight one long proposal would otherwise
@@ -16,9 +16,9 @@ K=0 gives 2 tokens / 40 ms = 0.050; K=4 gives 2 + (0.5 + 0.25 + 0.125 + 0.0625) 
 80 ms = 0.037, so K=0 runs and the drafts are dropped. With ``c_i = 0.9`` K=4 gives 5.10 / 80 =
 0.064 and wins. Cutting drafts never changes the output, only the speed.
 
-The costs start as the warm-up's calls on padding and then follow the engine's own calls
-(:class:`CallCosts`): a padding call skips attention, and three calls at start-up on a noisy machine
-once priced batch-4 K=4 low enough that ``pld`` at 4 sequences ran 0.76x ``none``.
+The costs start as the warm-up's calls and then follow the engine's own calls (:class:`CallCosts`):
+a padding call skips attention, and a few calls at start-up on a noisy machine misprice a K for the
+whole run (the measurements behind this module's rules: ``docs/measurements.md``).
 """
 
 from __future__ import annotations
@@ -27,22 +27,32 @@ import bisect
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from qspec.errors import ConfigError
 
-# auto: cost for greedy steps with several slots or int8/int4 weights, else cover (see Engine)
-DISPATCH_MODES = ("auto", "cover", "cost")
+if TYPE_CHECKING:
+    from qspec.runtime.proposal import Proposal
+
+DISPATCH_MODES = ("auto", "cover", "cost")  # what each one does: Dispatcher
 # A larger K must promise 10 % more tokens per ms than the best smaller one: the estimate is high for
-# Ks that rarely run (pld [0,4] at batch 4 ran 49 K=4 calls on it and landed 0.95x none).
+# Ks that rarely run, and a K run on a high estimate costs more than it gives.
 MARGIN = 1.1
 # Cost dispatch drops drafts it expects to be rejected, and then learns nothing more about them: after
-# this many steps with drafts on offer and none verified, one step verifies one draft a row. (A few
-# early rejections once priced pld's drafts out for a whole run: 2 K=4 calls of 508 at batch 4.)
+# this many steps with drafts on offer and none verified, one step verifies one draft a row (a few
+# early rejections would otherwise price the drafts out for the whole run).
 EXPLORE_EVERY = 8
 PRIOR_ACCEPTANCE = 0.5  # c_1 before any draft has been verified ...
 PRIOR_WEIGHT = 2.0  # ... worth two observations (see AcceptanceStats)
+
+
+def check_mode(mode: str) -> str:
+    """``mode`` if it is a dispatch mode, else a ConfigError naming them."""
+    if mode not in DISPATCH_MODES:
+        raise ConfigError(f"dispatch {mode!r}: use {', '.join(DISPATCH_MODES)}")
+    return mode
 
 
 def pick_k(ks: Sequence[int], proposed: int) -> int:
@@ -72,8 +82,7 @@ def restrict_ks(compiled: Sequence[int], requested: Sequence[int] | str | None) 
 
 def _interleaved_ms(model, calls: Sequence[tuple[object, int | None]], repeats: int) -> list[float]:
     """Median ms of each ``(binding, live tokens a row or None: padding)`` call over ``repeats`` rounds,
-    one call of each per round: a slow stretch of a shared machine lands on every call alike (three calls
-    of each K in turn once priced an int4 K=0 call anywhere from 5.3 to 7.7 ms between engines)."""
+    one call of each per round: a slow stretch of a shared machine lands on every call alike."""
     times: list[list[float]] = [[] for _ in calls]
     for _ in range(repeats):
         for (bound, live), took in zip(calls, times):
@@ -89,9 +98,7 @@ def _interleaved_ms(model, calls: Sequence[tuple[object, int | None]], repeats: 
 
 
 def measure_costs(model, ks: Sequence[int], repeats: int) -> dict[int, float]:
-    """Median ms of a call of each K's decode specialization on padding; ``repeats=0``: K + 1 (tokens per call)."""
-    if not repeats:
-        return {k: float(k + 1) for k in ks}
+    """Median ms of a call of each K's decode specialization on padding, over ``repeats`` rounds."""
     return dict(zip(ks, _interleaved_ms(model, [(model.decode[k], None) for k in ks], repeats)))
 
 
@@ -167,8 +174,8 @@ def pick_k_by_cost(ks: Sequence[int], costs_ms: Mapping[int, float], lengths: Se
     every row on ``chain``), at most the ``cover`` K; a larger K must beat the best smaller one by
     :data:`MARGIN`.
 
-    A K above the one covering the longest proposal adds no token, only padding; its measured cost can
-    still come out lower (a noisy warm-up), which once made ``none`` at batch 4 run K=4 on every step.
+    A K above the one covering the longest proposal adds no token, only padding, even when a noisy
+    warm-up measured it cheaper.
     """
     return plan_by_cost(ks, lambda k, live: costs_ms[k], lengths, [chain] * len(lengths))[0]
 
@@ -219,8 +226,8 @@ def _median(values) -> float:
 class AcceptanceStats:
     """Running estimates of ``c_i``, the chance that draft ``i`` (1-based) is accepted given that drafts
     ``1..i-1`` were, one set per proposal class (:attr:`Proposal.match_len`): how far a prompt-lookup
-    draft gets depends on what it continues (MT-bench, SmolLM2, drafts after a 1-gram match: first
-    accepted 25 % of the time, 0.7 drafts on average; after a 3-gram: 85 %, 5.0).
+    draft gets depends on what it continues (a draft after a 3-gram match is accepted far more often
+    than one after a 1-gram match).
 
     A class's ``c_1`` starts from every class's pooled ``c_1`` (itself from 0.5), and a deeper ``c_i``
     from the class's own ``c_{i-1}``, each worth :data:`PRIOR_WEIGHT` observations: a class seen a few
@@ -269,3 +276,84 @@ class AcceptanceStats:
                 rates.append(prior)
             chain = self._chains[match_len] = np.cumprod(rates)
         return chain
+
+
+class Dispatcher:
+    """The dispatch state of one engine: its mode, the prices of its calls and the acceptance it has seen.
+
+    ``plan(proposals, greedy=...)`` picks each step's K and per-row depths; ``observe_call`` and
+    ``observe_acceptance`` feed it what the engine's calls cost and accepted. Modes:
+
+    - ``cover``: the smallest K covering the longest proposal (:func:`pick_k`); needs no prices.
+    - ``cost``: the plan with the most expected tokens per ms (:func:`plan_by_cost`).
+    - ``auto``: ``cost`` for steps whose rows are all greedy, ``cover`` when one samples (a seeded
+      sampled request must give the same tokens every run, and ``cost`` follows measured times).
+      :meth:`for_model` resolves ``auto`` to ``cover`` on one KV slot of a graph that pads every row to
+      ``K + 1`` tokens: there every draft up to the K it runs is free, so covering them costs nothing.
+
+    ``prices`` (ms of a call of each K, :class:`CallCosts`) is needed by ``cost`` and ``auto`` only.
+    """
+
+    def __init__(
+        self, ks: Sequence[int], *, mode: str = "cover", k_max: int | None = None, prices: CallCosts | None = None
+    ):
+        self.ks = list(ks)
+        self.k_max = self.ks[-1] if k_max is None else k_max
+        if check_mode(mode) != "cover" and self.k_max > 0 and prices is None:
+            raise ConfigError(f"dispatch {mode!r} needs the prices of the calls (CallCosts); use cover without them")
+        self.mode = mode
+        self.prices = prices
+        self.stats = AcceptanceStats(self.k_max)
+        self._unverified = 0  # cost plans since drafts were last verified (EXPLORE_EVERY)
+
+    @classmethod
+    def for_model(
+        cls, model, ks: Sequence[int], *, mode: str, k_max: int, num_slots: int, repeats: int = 7
+    ) -> Dispatcher:
+        """The dispatcher of an engine running ``num_slots`` sequences on ``model`` (warmed up): ``auto``
+        resolved, prices measured when the mode may use them (calls of every K, interleaved; on a graph
+        that runs live tokens only, also the price of a live token: :func:`measure_live_costs`)."""
+        if check_mode(mode) == "auto" and num_slots == 1 and not model.packs_live_tokens:
+            mode = "cover"
+        prices = None
+        if mode != "cover" and k_max > 0:
+            if model.packs_live_tokens:
+                prices = measure_live_costs(model, ks, repeats)
+            else:
+                prices = CallCosts(measure_costs(model, ks, repeats))
+        return cls(ks, mode=mode, k_max=k_max, prices=prices)
+
+    def step_mode(self, *, greedy: bool) -> str:
+        """``cover`` or ``cost`` for a step whose rows are all greedy (``greedy``) or not."""
+        if self.mode != "auto":
+            return self.mode
+        return "cost" if greedy else "cover"
+
+    def plan(self, proposals: Sequence[Proposal], *, greedy: bool) -> tuple[int, list[int]]:
+        """``(K, depths)``: the call to run and how many drafts each row verifies in it."""
+        lengths = [len(p) for p in proposals]
+        if self.k_max == 0:  # `none`: nothing to verify, nothing to plan
+            return self.ks[0], lengths
+        if self.step_mode(greedy=greedy) != "cost":
+            k = pick_k(self.ks, max(lengths))
+            return k, [min(n, k) for n in lengths]
+        chains = [self.stats.chain(p.match_len) for p in proposals]
+        k, depths = plan_by_cost(self.ks, self.prices.price, lengths, chains)
+        if any(depths):
+            self._unverified = 0
+        elif any(lengths):
+            self._unverified += 1  # plans with drafts on offer that verified none
+            if self._unverified >= EXPLORE_EVERY:
+                self._unverified = 0
+                return pick_k(self.ks, 1), [min(n, 1) for n in lengths]
+        return k, depths
+
+    def observe_call(self, k: int, ms: float, live_tokens: int) -> None:
+        """A decode call of K took ``ms`` with ``live_tokens`` live tokens (no prompt chunks in it)."""
+        if self.prices is not None:
+            self.prices.observe(k, ms, live_tokens)
+
+    def observe_acceptance(self, proposed: int, accepted: int, match_len: int = 0) -> None:
+        """A row verified ``proposed`` drafts of class ``match_len`` and ``accepted`` of them passed."""
+        if proposed:
+            self.stats.observe(proposed, accepted, match_len)

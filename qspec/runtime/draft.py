@@ -47,9 +47,8 @@ from qspec.runtime.sampling import SamplingParams, make_rng, process_logits, sam
 
 GREEDY = SamplingParams()
 # A backlog of at least this many tokens is fed with the prefill shape; shorter ones ride along in
-# the batched seq_len = 1 calls. Measured on SmolLM2's 4- and 8-layer drafts (ctx 1024, 2 cores):
-# one prefill-32 call costs 2.4-3.2 seq_len = 1 calls, and a short backlog shares its calls with
-# the other rows of the batch.
+# the batched seq_len = 1 calls: a prefill call costs a few seq_len = 1 calls, and a short backlog
+# shares its calls with the other rows of the batch (docs/measurements.md).
 DEFAULT_PREFILL_MIN_TOKENS = 3
 
 # --------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -37,18 +37,8 @@ import numpy as np
 
 from qspec.errors import ConfigError
 from qspec.package import TOKENIZER_DIR
-from qspec.runtime.backend import LoadedModel, SessionMode, load_model
-from qspec.runtime.dispatch import (
-    DISPATCH_MODES,
-    EXPLORE_EVERY,
-    AcceptanceStats,
-    CallCosts,
-    measure_costs,
-    measure_live_costs,
-    pick_k,
-    plan_by_cost,
-    restrict_ks,
-)
+from qspec.runtime.dispatch import Dispatcher, check_mode, restrict_ks
+from qspec.runtime.load import load_model
 from qspec.runtime.metrics import EngineMetrics, aggregate
 from qspec.runtime.prefill import PrefillRow, run_prefill
 from qspec.runtime.proposal import Proposal, Proposer
@@ -70,7 +60,16 @@ from qspec.runtime.sampling import (
     process_logits,
     sample_tokens,
 )
+from qspec.runtime.session import LoadedModel, SessionMode
 from qspec.runtime.tokenizer import TextStream, Tokenizer
+
+METHOD_ALIASES = {"ngram": "pld"}  # vLLM's name for prompt lookup
+OutputCallback = Callable[[RequestOutput], None]
+
+
+def canonical_method(method: str) -> str:
+    """The speculative method ``method`` names (``ngram`` is ``pld``)."""
+    return METHOD_ALIASES.get(method, method)
 
 
 class Engine:
@@ -98,21 +97,15 @@ class Engine:
         backend: str = "ort",
         **method_options: Any,
     ):
-        """Load ``package``; ``method`` is ``none``, ``pld``, ``suffix``, ``user`` or ``draft``.
+        """Load ``package``; ``method`` is ``none``, ``pld`` (alias ``ngram``), ``suffix``, ``user`` or ``draft``.
 
         ``num_speculative_tokens`` restricts dispatch to a subset of the compiled Ks (default: all).
         ``dispatch``: ``cover`` runs the smallest K covering the longest proposal; ``cost`` the K
-        with the most expected tokens per ms (see :mod:`qspec.runtime.dispatch`); ``auto`` (default)
-        is ``cost`` for greedy steps on a graph that runs live tokens only (the ort backend's runtime
-        graphs: a draft costs what it is, and cutting a row's drafts to the depth that pays took int4
-        ``pld`` [0,1,2,4,8] at batch 1 from 0.90x to 1.15x ``none``, fp32 from 1.21x to 1.32x) or on a
-        package with several KV slots, where every call pays for all of them at K + 1 tokens
-        (measured: batch-4 cover 0.71x none, cost 1.04x), and ``cover`` otherwise: on one slot of a
-        graph that pads, and whenever one samples, since ``cost`` depends on measured call times and a
-        seeded sampled request must give the same tokens every run.
+        with the most expected tokens per ms; ``auto`` (default) is ``cost`` for greedy steps where a
+        verified draft costs, ``cover`` otherwise (the rule: :class:`~qspec.runtime.dispatch.Dispatcher`).
         ``max_batch_size`` caps the sequences in flight (default: every KV slot of the package).
         ``backend``: where the package runs, ``ort`` (ONNX Runtime, CPU) or ``qaic`` (its QPC on Cloud
-        AI 100, :mod:`qspec.runtime.qaic`); the engine is the same on both.
+        AI 100, :mod:`qspec.runtime.qaic_session`); the engine is the same on both.
         ``force_accept`` is a testing knob: accept exactly ``min(n, force_accept)`` drafts whatever
         the target says (the output is then *not* the target's greedy output).
         ``method_options`` go to the proposer (``prompt_lookup_min``, ``prompt_lookup_max``, ...).
@@ -122,7 +115,7 @@ class Engine:
             package, backend=backend, session_mode=session_mode, spinning=spinning, num_threads=num_threads
         )
         self.tokenizer = Tokenizer(self.model.package / TOKENIZER_DIR)
-        self.method = method
+        self.method = method = canonical_method(method)
         if method in HEAD_METHODS and proposer is None:  # the head lives in the target's package
             method_options = {"package": self.model.package, "num_threads": num_threads} | method_options
         self.proposer: Proposer = proposer or make_proposer(method, **method_options)
@@ -145,18 +138,7 @@ class Engine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        if dispatch not in DISPATCH_MODES:
-            raise ConfigError(f"dispatch {dispatch!r}: use {', '.join(DISPATCH_MODES)}")
-        # auto prices calls where a verified draft costs: several slots (the last request alone would
-        # otherwise pay every row) or a graph that runs live tokens only (a draft costs what its tokens
-        # cost, also at fp32: a K=8 call is 1.5x a K=0 call). Measured on SmolLM2 fp32 at one slot, pld,
-        # 16 MT-bench prompts, interleaved: [0,1,2,4,8] 1.32x none with cost, 1.21x with cover (which
-        # sent every 1-gram match 8 drafts deep); [0,4] 1.32x and 1.30x. A padded graph (every row pays
-        # K + 1 tokens) at one slot keeps cover: its drafts are free up to the K it runs.
-        one_row = self.num_slots == 1 and not self.model.packs_live_tokens
-        self.dispatch = dispatch if not (dispatch == "auto" and one_row) else "cover"
-        self.stats = AcceptanceStats(self.k_max)
-        self._unverified = 0  # cost dispatch: steps since drafts were last verified (EXPLORE_EVERY)
+        check_mode(dispatch)
         self.last_metrics: EngineMetrics | None = None
         self.calls: dict[Any, int] = {"prefill": 0, **{k: 0 for k in self.ks}}  # since load
         self._waiting: deque[SequenceState] = deque()
@@ -166,18 +148,13 @@ class Engine:
         self.mixed_calls = 0  # decode calls since load that also carried prompt chunks (counted under their K too)
         self._updated: dict[int, SequenceState] = {}  # requests with news for the next delta
         self._next_id = 0
-        self.call_ms = self.warmup()
+        self.dispatcher = self.warmup(dispatch)
 
-    def warmup(self, repeats: int = 7) -> Mapping[int, float]:
-        """Run every specialization on padding (the first request pays no set-up); returns each decode K's
-        price for ``cost`` dispatch: measured, then following the engine's calls (:class:`CallCosts`),
-        when it may dispatch by cost; else (and for ``none``, which plans nothing) K + 1."""
+    def warmup(self, dispatch: str) -> Dispatcher:
+        """Run every specialization on padding (the first request pays no set-up); returns the dispatcher,
+        its call prices measured when ``dispatch`` may use them."""
         self.model.warm_up()
-        if self.dispatch not in ("cost", "auto") or self.k_max == 0:
-            return measure_costs(self.model, self.ks, 0)
-        if self.model.packs_live_tokens:
-            return measure_live_costs(self.model, self.ks, repeats)
-        return CallCosts(measure_costs(self.model, self.ks, repeats))
+        return Dispatcher.for_model(self.model, self.ks, mode=dispatch, k_max=self.k_max, num_slots=self.num_slots)
 
     # ------------------------------------------------------------------ phases
 
@@ -241,9 +218,9 @@ class Engine:
         self.mixed_calls += bool(chunks)
         begin = time.perf_counter()
         logits = self.model.run(bound)
-        if isinstance(self.call_ms, CallCosts) and not chunks:  # a chunk's tokens are not K's price
+        if not chunks:  # a chunk's tokens are not K's price
             live = sum(len(drafts) + 1 for _, drafts in batch)
-            self.call_ms.observe(k, (time.perf_counter() - begin) * 1000, live)
+            self.dispatcher.observe_call(k, (time.perf_counter() - begin) * 1000, live)
         return logits, bound.hidden_states
 
     def accept(self, seq: SequenceState, proposal: Proposal, logits: np.ndarray) -> list[int]:
@@ -261,40 +238,10 @@ class Engine:
             accepted, bonus = accept_sampled(probs, drafts, seq.rng, proposal.probs)
         return [*drafts[:accepted].tolist(), int(bonus)]
 
-    def _price(self, k: int, live_tokens: int) -> float:
-        """ms of a call of K with ``live_tokens`` live tokens, for ``cost`` dispatch."""
-        costs = self.call_ms
-        return costs.price(k, live_tokens) if isinstance(costs, CallCosts) else costs[k]
-
-    def dispatch_for(self, live: list[SequenceState]) -> str:
-        """``cover`` or ``cost`` for this step (``auto``, several KV slots: cost when every sequence is greedy)."""
-        if self.dispatch != "auto":
-            return self.dispatch
-        return "cost" if all(seq.params.greedy for seq in live) else "cover"
-
-    def plan(self, live: list[SequenceState], proposals: list[Proposal]) -> tuple[int, list[int]]:
-        """``(K, depths)``: the call to run and how many drafts each row verifies in it."""
-        lengths = [len(p) for p in proposals]
-        if self.k_max == 0:  # `none`: nothing to verify, nothing to plan
-            return self.ks[0], lengths
-        if self.dispatch_for(live) != "cost":
-            k = pick_k(self.ks, max(lengths))
-            return k, [min(n, k) for n in lengths]
-        chains = [self.stats.chain(p.match_len) for p in proposals]
-        k, depths = plan_by_cost(self.ks, self._price, lengths, chains)
-        if any(depths):
-            self._unverified = 0
-        elif any(lengths):
-            self._unverified += 1  # steps with drafts on offer that verified none
-            if self._unverified >= EXPLORE_EVERY:
-                self._unverified = 0
-                return pick_k(self.ks, 1), [min(n, 1) for n in lengths]
-        return k, depths
-
     def decode(self, live: list[SequenceState]) -> None:
         """One decode step for every live sequence: propose, pick K, verify, accept."""
         proposals = self.propose(live)
-        k, depths = self.plan(live, proposals)
+        k, depths = self.dispatcher.plan(proposals, greedy=all(seq.params.greedy for seq in live))
         batch = [(seq, p.cut(depth)) for seq, p, depth in zip(live, proposals, depths)]
         chunks = self.next_chunks()
         logits, hidden = self.verify(k, [(seq, p.tokens) for seq, p in batch], chunks)  # [rows, k + 1, vocab]
@@ -311,8 +258,7 @@ class Engine:
             row = logits[seq.slot, k - n : k + 1]  # right-aligned: the last n + 1 real tokens
             tokens = self.accept(seq, proposal, row)
             seq.metrics.target_call(k, proposed=n, accepted=len(tokens) - 1)
-            if n:
-                self.stats.observe(n, len(tokens) - 1, proposal.match_len)
+            self.dispatcher.observe_acceptance(n, len(tokens) - 1, proposal.match_len)
             if hidden is not None:  # the rows of `last` and the accepted drafts: each precedes an emitted token
                 self.proposer.observe_hidden(seq.index, seq.position, hidden[seq.slot, : len(tokens)])
             seq.position += len(tokens)  # `last` and the accepted drafts are now in the cache
@@ -447,12 +393,14 @@ class Engine:
         *,
         chat: bool = False,
         on_text: TextCallback | None = None,
+        on_output: OutputCallback | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt, up to ``num_slots`` in flight (continuous batching).
 
         ``prompts``: a string, a list of token ids, chat messages, or a list of those.
         ``params``: one :class:`SamplingParams` for all, or one per prompt (default: greedy, 128 tokens).
-        ``on_text(index, text)`` receives each request's text as it is generated.
+        ``on_text(index, text)`` receives each request's text as it is generated, ``on_output(output)`` each
+        request's output as it finishes (``output.index``: its prompt's).
         Metrics of the call are in :attr:`last_metrics`. A thin loop over :meth:`add_request` and
         :meth:`step`; the engine must have no request of its own in flight.
         """
@@ -466,8 +414,8 @@ class Engine:
         if self.has_unfinished():
             raise ConfigError("generate() needs an idle engine: requests added with add_request() are still in flight")
         encoded = [self.tokenizer.encode_prompt(p, chat=chat) for p in prompts]
-        for i, ids in enumerate(encoded):
-            check_fits(f"prompt {i}", ids, self.model.ctx_len)
+        for i, (ids, p) in enumerate(zip(encoded, params)):
+            check_fits(f"prompt {i}", ids, self.model.ctx_len, new_tokens=p.max_new_tokens)
         calls_before = dict(self.calls)
         start = time.perf_counter()
         order = {self.add_request(ids, p, arrival=start): i for i, (ids, p) in enumerate(zip(encoded, params))}
@@ -480,6 +428,8 @@ class Engine:
                         on_text(index, delta.text)
                     if delta.output is not None:
                         outputs[index] = replace(delta.output, index=index)
+                        if on_output is not None:
+                            on_output(outputs[index])
         finally:
             for request_id in order:
                 self.abort(request_id)

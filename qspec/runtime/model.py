@@ -1,6 +1,6 @@
 """The ``ort`` runtime backend: a package in ONNX Runtime, KV buffers resident, one IO binding per specialization.
 
-:class:`CompiledModel` implements :class:`~qspec.runtime.backend.LoadedModel` (the interface the
+:class:`CompiledModel` implements :class:`~qspec.runtime.session.LoadedModel` (the interface the
 engine uses, whatever the backend).
 
 The KV cache is ``2 * num_layers`` OrtValues of ``[rows, kv_heads, ctx_len, head_dim]`` (plus slack
@@ -18,8 +18,8 @@ Session modes (see ``qspec.backends.ort`` for the measurements):
   weights are loaded and pre-packed once, so five specializations cost the memory of one.
 - ``static``: one static-shape session per specialization (every dimension fixed); their thread
   pools do not spin, so an idle session never steals the cores of the one that runs. Each session
-  pre-packs its own weights (+≈0.5 GB each for SmolLM2); ONNX Runtime's Python API has no shared
-  pre-packed weight container, and without pre-packing a call is ≈1.8× slower.
+  pre-packs its own weights (ONNX Runtime's Python API has no shared pre-packed weight container,
+  and a call without pre-packing is much slower): memory grows with the specializations.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from qspec import contract
 from qspec.backends import ort as ort_backend
 from qspec.errors import PackageError
 from qspec.package import ONNX_FILE, runtime_graph_file
-from qspec.runtime.backend import Binding, LoadedModel, SessionMode, host_arrays
+from qspec.runtime.session import Binding, LoadedModel, SessionMode, host_arrays
 from qspec.specializations import Specialization
 
 
@@ -73,9 +73,7 @@ class CompiledModel(LoadedModel):
         specs = self.specs
 
         graph = None if vendor_graph else self.manifest.runtime_graph
-        self.packs_live_tokens = bool(
-            graph is not None and (graph.fusions.get("live_tokens") or graph.fusions.get("trimmed_rows"))
-        )
+        self.packs_live_tokens = graph is not None and graph.packs_live_tokens
         # GroupQueryAttention wants room for a whole padded chunk past a row's first position (see
         # RuntimeGraph.kv_slack); positions stay < ctx_len.
         slack = graph.kv_slack(max(s.seq_len for s in specs)) if graph is not None else 0

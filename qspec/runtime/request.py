@@ -151,14 +151,28 @@ class SequenceState:
         return delta
 
 
-def check_fits(name: str, prompt: list[int], ctx_len: int) -> None:
-    """Raise unless ``prompt`` has at least one token and fits ``ctx_len`` (the error names both numbers)."""
+def check_fits(name: str, prompt: list[int], ctx_len: int, *, new_tokens: int = 128) -> None:
+    """Raise unless ``prompt`` has at least one token and fits ``ctx_len`` (the error names both numbers and
+    a ``--ctx-len`` with room for ``new_tokens`` more)."""
     if not prompt:
         raise ConfigError(f"{name} is empty; give at least one token")
     if len(prompt) > ctx_len:
         raise PromptTooLongError(
             f"{name} has {len(prompt)} tokens but the package's ctx_len is {ctx_len}; "
-            f"shorten the prompt or compile with --ctx-len {len(prompt) + 128} or more"
+            f"shorten the prompt or compile with --ctx-len {len(prompt) + new_tokens} or more"
+        )
+
+
+def check_budget(name: str, prompt: list[int], max_new_tokens: int, ctx_len: int) -> None:
+    """Raise unless ``prompt`` plus ``max_new_tokens`` fits ``ctx_len``: the server's rule (vLLM's 400), for
+    the command line (the engine itself stops a request at the context's end, finish reason ``length``)."""
+    check_fits(name, prompt, ctx_len, new_tokens=max_new_tokens)
+    total = len(prompt) + max_new_tokens
+    if total > ctx_len:
+        raise PromptTooLongError(
+            f"{name} ({len(prompt)} tokens) plus --max-new-tokens {max_new_tokens} is {total} tokens, more than "
+            f"the package's ctx_len {ctx_len}; lower --max-new-tokens to {ctx_len - len(prompt)} or compile with "
+            f"--ctx-len {total} or more"
         )
 
 

@@ -14,7 +14,7 @@ Each step thus emits ``num_accepted + 1`` tokens.
 from __future__ import annotations
 
 import numpy as np
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, field_validator
 
 from qspec.common import FrozenModel
 
@@ -35,6 +35,12 @@ class SamplingParams(FrozenModel):
     max_new_tokens: int = Field(default=128, ge=1)
     stop: list[str] = Field(default_factory=list)
     ignore_eos: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, stop: list[str]) -> list[str]:
+        """An empty stop string would match before every token: it is dropped, as the server does."""
+        return [s for s in stop if s]
 
     @property
     def greedy(self) -> bool:

@@ -89,7 +89,7 @@ class TextStream:
 
     Each push decodes only the tokens since the last text it returned, with the tokens of the text
     before that as context (as vLLM does): ``decode(ids[prefix:])`` minus ``decode(ids[prefix:read])``.
-    Decoding everything at every step grew with the output (0.1 ms a token at 128 tokens).
+    Decoding everything at every step would cost more with every token of the output.
     """
 
     def __init__(self, tokenizer: Tokenizer):

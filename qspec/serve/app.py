@@ -15,7 +15,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from qspec.runtime.engine import Engine, RequestDelta
-from qspec.serve.errors import context_exceeded, error_response, install_error_handlers, model_not_found
+from qspec.serve.errors import (
+    bad_api_key,
+    context_exceeded,
+    error_response,
+    install_error_handlers,
+    model_not_found,
+)
 from qspec.serve.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -128,8 +134,9 @@ class Frontend:
         yield DONE
 
 
-def create_app(engine: Engine, worker: EngineWorker, *, served_model_name: str) -> FastAPI:
-    """The OpenAI-compatible app; its lifespan starts and stops the engine thread."""
+def create_app(engine: Engine, worker: EngineWorker, *, served_model_name: str, api_key: str | None = None) -> FastAPI:
+    """The OpenAI-compatible app; its lifespan starts and stops the engine thread. With ``api_key`` every
+    ``/v1`` route wants ``Authorization: Bearer <api_key>`` (401 otherwise), as vLLM's ``--api-key``."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -142,6 +149,14 @@ def create_app(engine: Engine, worker: EngineWorker, *, served_model_name: str) 
     app = FastAPI(title="qspec", lifespan=lifespan)
     install_error_handlers(app)
     front = Frontend(engine, worker, served_model_name)
+
+    if api_key is not None:
+
+        @app.middleware("http")
+        async def check_api_key(request: Request, call_next):
+            if request.url.path.startswith("/v1") and request.headers.get("authorization") != f"Bearer {api_key}":
+                return error_response(bad_api_key())
+            return await call_next(request)
 
     @app.get("/health")
     async def health() -> Response:

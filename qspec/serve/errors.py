@@ -16,6 +16,7 @@ log = logging.getLogger("qspec.serve")
 # status -> OpenAI's error type
 ERROR_TYPES = {
     400: "invalid_request_error",
+    401: "invalid_request_error",
     404: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
@@ -39,6 +40,14 @@ def context_exceeded(prompt_tokens: int, max_tokens: int, ctx_len: int) -> Serve
         "lower max_tokens or shorten the prompt",
         code="context_length_exceeded",
         param="max_tokens",
+    )
+
+
+def bad_api_key() -> ServeError:
+    return ServeError(
+        "missing or wrong API key: send the key the server was started with (--api-key) as 'Authorization: Bearer KEY'",
+        status=401,
+        code="invalid_api_key",
     )
 
 

@@ -11,9 +11,12 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from qspec.common import FrozenModel
+from qspec.errors import ConfigError
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
 
 
 class ServeOptions(FrozenModel):
@@ -32,6 +35,22 @@ class ServeOptions(FrozenModel):
     max_waiting: int = Field(default=64, ge=0)
     shutdown_timeout: float = Field(default=10.0, ge=0)
     log_level: str = "info"
+    api_key: str | None = None  # when set, /v1/* requests must send `Authorization: Bearer <api_key>`
+
+    @field_validator("served_model_name", "api_key")
+    @classmethod
+    def _not_empty(cls, value: str | None, info) -> str | None:
+        if value is not None and not value.strip():
+            flag = "--" + info.field_name.replace("_", "-")
+            raise ValueError(f"{flag} is empty; give a value or leave the option out")
+        return value
+
+    @field_validator("log_level")
+    @classmethod
+    def _log_level(cls, value: str) -> str:
+        if value.lower() not in LOG_LEVELS:
+            raise ValueError(f"--log-level {value!r}: use one of {', '.join(LOG_LEVELS)}")
+        return value.lower()
 
     @property
     def model_name(self) -> str:
@@ -56,7 +75,7 @@ def build(options: ServeOptions):
     )
     metrics = ServeMetrics(options.model_name, engine.ks if options.method != "none" else [0])
     worker = EngineWorker(engine, metrics, max_waiting=options.max_waiting)
-    return create_app(engine, worker, served_model_name=options.model_name), worker
+    return create_app(engine, worker, served_model_name=options.model_name, api_key=options.api_key), worker
 
 
 def make_server(app, options: ServeOptions):
@@ -73,10 +92,33 @@ def make_server(app, options: ServeOptions):
     return uvicorn.Server(config)
 
 
+def listen(options: ServeOptions) -> socket.socket:
+    """A socket bound to ``options.host:port``, before the model loads: a taken port or a bad host is a
+    one-line ConfigError, not a uvicorn traceback after the load."""
+    try:
+        infos = socket.getaddrinfo(options.host, options.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ConfigError(
+            f"--host {options.host!r} is not an address ({exc.strerror}); try 127.0.0.1 or 0.0.0.0"
+        ) from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(
+            f"cannot listen on {options.host}:{options.port} ({exc.strerror}); pick another --port or --host"
+        ) from None
+    return sock
+
+
 def serve(options: ServeOptions) -> None:
     """Load the package and serve until SIGINT/SIGTERM."""
+    sock = listen(options)
     app, _ = build(options)
-    make_server(app, options).run()
+    make_server(app, options).run(sockets=[sock])
 
 
 def free_port(host: str = "127.0.0.1") -> int:

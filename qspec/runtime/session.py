@@ -1,8 +1,8 @@
-"""The runtime backend seam: a compiled package loaded on some device, behind one small interface.
+"""The runtime session seam: a compiled package loaded on some device, behind one small interface.
 
 The engine, the draft proposer and the prefill routine use only :class:`LoadedModel`:
 
-- **load** a package (``load_model(package, backend=...)``): its specializations, KV cache resident;
+- **load** a package (:func:`qspec.runtime.load.load_model`): its specializations, KV cache resident;
 - **bind** a specialization: :attr:`LoadedModel.prefill`, :attr:`LoadedModel.decode` ``[K]`` are
   :class:`Binding` s, host arrays of that specialization's shapes the caller writes in place;
 - **run** a call: :meth:`LoadedModel.run` (binding) -> its logits; the KV cache stays where the
@@ -10,7 +10,7 @@ The engine, the draft proposer and the prefill routine use only :class:`LoadedMo
   the device's retained state) and is never copied to the host.
 
 Backends: ``ort`` (ONNX Runtime on the CPU, :class:`qspec.runtime.model.CompiledModel`) and ``qaic``
-(a Cloud AI 100 QPC through the vendor's Python runtime, :class:`qspec.runtime.qaic.QaicModel`).
+(a Cloud AI 100 QPC through the vendor's Python runtime, :class:`qspec.runtime.qaic_session.QaicModel`).
 """
 
 from __future__ import annotations
@@ -25,11 +25,10 @@ from typing import Any, Literal
 import numpy as np
 
 from qspec import contract
-from qspec.errors import ConfigError
+from qspec.errors import PromptTooLongError
 from qspec.package import ONNX_FILE, Manifest, check_package
 from qspec.specializations import Specialization, decode_specialization, prefill_specialization
 
-RUNTIME_BACKENDS = ("ort", "qaic")
 SessionMode = Literal["shared", "static"]  # ort: one session for every specialization, or one each
 
 
@@ -130,7 +129,17 @@ class LoadedModel(ABC):
         self.call_ms = {}
 
     def prefill_for(self, end: int) -> Binding:
-        """The prefill binding of the smallest bucket that holds positions ``< end``."""
+        """The prefill binding of the smallest bucket that holds positions ``< end``.
+
+        Under qaic-compile's CCL rule the largest prefill bucket can be below ctx_len (qspec.ccl): a
+        prompt reaching past it is refused rather than attended to in part.
+        """
+        top = self.prefill_buckets[-1]
+        if top is not None and end > top:
+            raise PromptTooLongError(
+                f"a prompt reaching position {end} passes the largest prefill bucket {top} of this package "
+                f"(comp_ctx_lengths_prefill); shorten the prompt or compile with a prefill bucket >= {end}"
+            )
         return self.bindings[self.prefill_specs[_bucket(self.prefill_buckets, end)]]
 
     def decode_for(self, k: int, end: int) -> Binding:
@@ -182,16 +191,3 @@ def _bucket(buckets: list[int | None], end: int) -> int | None:
     """
     i = bisect.bisect_left(buckets, end) if buckets[0] is not None else 0
     return buckets[min(i, len(buckets) - 1)]
-
-
-def load_model(package: str | Path, *, backend: str = "ort", **options: Any) -> LoadedModel:
-    """Load ``package`` on ``backend``; ``options`` go to the backend (ORT: session_mode, spinning, num_threads)."""
-    if backend == "ort":
-        from qspec.runtime.model import CompiledModel
-
-        return CompiledModel(package, **options)
-    if backend == "qaic":
-        from qspec.runtime.qaic import QaicModel
-
-        return QaicModel(package, **options)
-    raise ConfigError(f"runtime backend {backend!r}: use one of {', '.join(RUNTIME_BACKENDS)}")

@@ -197,7 +197,7 @@ def llama_cpp_main(conn, gguf: str, threads: int, eos_token_ids: list[int], ctx_
 def hf_folder_main(conn, gguf: str, folder: str) -> None:
     """Child: write ``gguf`` as a Hugging Face folder (for ONNX Runtime GenAI's builder)."""
     try:
-        from qspec.bench.peer_models import write_hf_folder
+        from qspec.bench.peers.models import write_hf_folder
 
         write_hf_folder(gguf, folder)
         conn.send({"folder": folder})

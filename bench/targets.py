@@ -1,4 +1,9 @@
-"""The issue's targets (SmolLM2-135M on the 2-core machine), each with PASS / MISS / n/a and its numbers.
+"""The project's goals for ``make bench`` (SmolLM2-135M on the 2-core machine), read from its report.json.
+
+Not part of the installed package: ``qspec bench`` measures and reports; this script, run by ``make bench``,
+prints each goal with PASS / MISS / n/a and its numbers, and appends them to report.md::
+
+    python bench/targets.py bench-out/report.json --markdown bench-out/report.md
 
 A qspec configuration is compared with ``none`` of its own weight format; the targets against the
 transformers baselines and the weight-streaming floor are fp32's; against the peers, greedy is
@@ -7,11 +12,18 @@ compared at the same weight format and speculation by the fastest qspec variable
 
 from __future__ import annotations
 
+import argparse
+import sys
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel
+
 from qspec.bench.analysis import ratio
-from qspec.bench.peer_models import ORT_GENAI_PRECISIONS
-from qspec.bench.peers import LLAMA_CPP, ORT_GENAI
+from qspec.bench.peers.models import ORT_GENAI_PRECISIONS
+from qspec.bench.peers.runners import LLAMA_CPP, ORT_GENAI
 from qspec.bench.plan import HF_GREEDY, HF_LOOKUP, HF_LOOKUP_TOKENS, QSPEC, none_config
-from qspec.bench.report import ConfigSummary, MemoryReport, MicroReport, Target
+from qspec.bench.report import BenchReport, ConfigSummary, MemoryReport, MicroReport
 
 TARGET_CATEGORY_FLOOR = 0.98  # variable K / none on every category, batch 1
 TARGET_VARIABLE_SPEEDUP = 1.3  # variable K / none requests/s, batch 1
@@ -24,6 +36,13 @@ TARGET_VS_PEER_LOOKUP = 1.0  # qspec variable K pld / llama.cpp prompt lookup, t
 TARGET_FLOOR = {"K=0": 1.15, "K=4": 1.3}  # a batch-1 call / the weight-streaming floor
 TARGET_CCL_RATIO = 0.8  # K=4 call in the 256 bucket / the same call in the ctx_len bucket, positions < 256
 TARGET_BATCH4_SPEEDUP = 1.15  # variable K / none requests/s at batch 4, the CLI's default dispatch
+
+
+class Target(BaseModel):
+    target: str
+    goal: str
+    measured: str
+    status: Literal["PASS", "MISS", "n/a"]
 
 
 def _target(name: str, goal: str, measured: str, passed: bool | None) -> Target:
@@ -86,7 +105,7 @@ def _tokens_ratio(s: ConfigSummary | None, reference: ConfigSummary | None) -> f
 def evaluate_targets(
     summaries: list[ConfigSummary], memory: MemoryReport | None, micro: MicroReport | None = None
 ) -> list[Target]:
-    """The issue's targets, each with PASS / MISS / n/a and the numbers behind it."""
+    """The project's targets, each with PASS / MISS / n/a and the numbers behind it."""
     by_key = {s.key: s for s in summaries}
     variable = [s for s in summaries if s.backend == QSPEC and len(s.ks) > 1]
     fixed = [s for s in summaries if s.backend == QSPEC and s.method != "none" and len(s.ks) == 1]
@@ -219,3 +238,29 @@ def _peer_targets(by_key: dict[str, ConfigSummary], variable_pld: list[ConfigSum
                 )
             )
     return targets
+
+
+def markdown(targets: list[Target]) -> str:
+    """The targets as a markdown section."""
+    lines = ["## Targets", "", "| target | goal | measured | status |", "| --- | --- | --- | --- |"]
+    lines += [f"| {t.target} | {t.goal} | {t.measured} | {t.status} |" for t in targets]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="The project's goals, checked against a qspec bench report.json.")
+    parser.add_argument("report", type=Path, help="report.json written by `qspec bench`")
+    parser.add_argument("--markdown", type=Path, help="append the targets to this report.md")
+    args = parser.parse_args(argv)
+    report = BenchReport.model_validate_json(args.report.read_text())
+    targets = evaluate_targets(report.configs, report.memory, report.micro)
+    for t in targets:
+        print(f"[{t.status}] {t.target}: {t.measured} (goal {t.goal})")
+    if args.markdown is not None:
+        with args.markdown.open("a") as handle:
+            handle.write("\n" + markdown(targets))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,7 +1,7 @@
 """The peers in the same run: ONNX Runtime GenAI and llama.cpp, each behind a :class:`Runner`, when installed.
 
 - **ONNX Runtime GenAI** (``onnxruntime-genai``): its model builder's CPU graph of the same model at
-  fp32 and int4 (:mod:`.peer_models`), greedy and with its own n-gram speculation
+  fp32 and int4 (:mod:`.models`), greedy and with its own n-gram speculation
   (``GeneratorParams.set_speculative_options(ngram_size=3, max_draft_tokens=4)``, the settings its
   guide starts from; batch 1 only in the release).
 - **llama.cpp** (``llama-cpp-python``) on the same ``.gguf``: greedy, and with its prompt lookup
@@ -23,8 +23,8 @@ from pathlib import Path
 
 from qspec.bench.machine import usable_cores
 from qspec.bench.options import BenchOptions
-from qspec.bench.peer_models import ORT_GENAI_PRECISIONS, PeerUnavailable, build_ort_genai, hf_folder, peers_root
-from qspec.bench.peer_workers import GREEDY, LOOKUP
+from qspec.bench.peers.models import ORT_GENAI_PRECISIONS, PeerUnavailable, build_ort_genai, hf_folder, peers_root
+from qspec.bench.peers.workers import GREEDY, LOOKUP
 from qspec.bench.plan import RunConfig, Steps
 from qspec.bench.report import RunnerInfo, Skipped
 from qspec.bench.runners import RequestResult, RoundResult, Runner

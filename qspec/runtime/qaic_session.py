@@ -24,7 +24,7 @@ import numpy as np
 from qspec import contract
 from qspec.backends.qaic import QPC_DIR, QPC_PROGRAM
 from qspec.errors import QSpecError
-from qspec.runtime.backend import Binding, LoadedModel, host_arrays
+from qspec.runtime.session import Binding, LoadedModel, host_arrays
 
 SESSION_MODULE = "QEfficient.generation.cloud_infer"  # where QAICInferenceSession lives
 SESSION_CLASS = "QAICInferenceSession"
