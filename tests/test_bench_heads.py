@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from qspec.bench import BenchReport, bench_options, plan_configs, quick_options, render_markdown
 from qspec.bench.packages import package_name, resolve_model
-from qspec.bench.peers import PEER_MODULES
+from qspec.bench.peers.runners import PEER_MODULES
 from qspec.errors import ConfigError, QSpecError
 
 PROMPTS = [
