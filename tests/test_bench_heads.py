@@ -235,3 +235,70 @@ def test_replay_feeds_hidden_states_as_the_engine_does():
     # each step: tokens known = prompt + emitted, hidden states known for all but the newest token
     assert proposer.seen == [(4, 3), (5, 4)]
     assert steps["a"] == [((1, 1), 0), ((1, 0), 0)]  # 7 repeats 7 (accepted), then 7 is not 8
+
+
+class Recording:
+    """A proposer wrapper that records, per request, the drafts proposed when the request held n tokens."""
+
+    def __init__(self, inner):
+        from qspec.runtime.proposal import Proposer
+
+        class Wrapped(Proposer):
+            wants_hidden_states = inner.wants_hidden_states
+
+            def check_target(s, **kwargs):
+                inner.check_target(**kwargs)
+
+            def start(s, rid, prompt, params=None, rng=None):
+                self.length[rid] = len(prompt)
+                inner.start(rid, prompt, params, rng)
+
+            def observe_hidden(s, rid, start, hidden):
+                inner.observe_hidden(rid, start, hidden)
+
+            def extend(s, rid, tokens):
+                self.length[rid] += len(tokens)
+                inner.extend(rid, tokens)
+
+            def finish(s, rid):
+                inner.finish(rid)
+
+            def propose(s, rid, k):
+                return s.propose_batch([(rid, k)])[0].tokens
+
+            def propose_batch(s, items):
+                out = inner.propose_batch(items)
+                for (rid, _), proposal in zip(items, out):
+                    self.drafts.setdefault(rid, {})[self.length[rid]] = proposal.tokens.tolist()
+                return out
+
+        self.length: dict = {}
+        self.drafts: dict = {}
+        self.proposer = Wrapped()
+
+
+def test_replayed_head_drafts_are_the_runs_drafts(head_run):
+    """Along none's output, the replay proposes at every position what the run proposed at its call starts:
+    the head's drafts depend on tokens and hidden states only, both the same in a run and in the replay."""
+    from qspec.bench.ceiling import replay, target_hidden_states
+    from qspec.runtime import Engine, SamplingParams
+    from qspec.runtime.proposers import make_proposer
+
+    _, report = head_run
+    package = report.meta.packages["1"]
+    params = SamplingParams(max_new_tokens=16)
+    prompts = {"a": [5, 6, 7, 8, 5, 6, 7, 8, 5, 6], "b": list(range(30, 50)), "c": [100, 17, 3, 99, 250, 18]}
+    none = Engine(package, method="none")
+    outputs = {rid: list(none.generate([p], params)[0].token_ids) for rid, p in prompts.items()}
+    run = Recording(make_proposer("eagle", package=package))
+    engine = Engine(package, method="eagle", num_speculative_tokens=[4], dispatch="cover", proposer=run.proposer)
+    for rid, prompt in prompts.items():
+        assert list(engine.generate([prompt], params)[0].token_ids) == outputs[rid]
+    ran = dict(zip(prompts, run.drafts.values()))  # the engine numbers its requests itself, in order
+    hidden = {rid: target_hidden_states(none.model, prompts[rid], outputs[rid]) for rid in prompts}
+    replayed = Recording(make_proposer("eagle", package=package))
+    replay(replayed.proposer, prompts, outputs, 4, hidden)
+    for rid in prompts:  # near max_new_tokens the engine asks for fewer drafts: the replay's start the same
+        steps = ran[rid]
+        assert len(steps) > 1 and all(replayed.drafts[rid][n][: len(d)] == d for n, d in steps.items()), rid
+        assert sum(len(d) for d in steps.values()) > len(steps)  # chains, not only first drafts

@@ -108,8 +108,12 @@ def target_hidden_states(model, prompt: Sequence[int], output: Sequence[int]) ->
 
     tokens = [*prompt, *output[:-1]]
     pieces: dict[int, np.ndarray] = {}
-    run_prefill(model, [PrefillRow(0, tokens)], lambda i, logits: None, lambda i, start, h: pieces.update({start: h}))
-    return np.concatenate([np.asarray(pieces[start], np.float32) for start in sorted(pieces)])[: len(tokens)]
+
+    def keep(i: int, start: int, hidden: np.ndarray) -> None:
+        pieces[start] = np.array(hidden, np.float32)  # a view of the call's output buffer: the next call reuses it
+
+    run_prefill(model, [PrefillRow(0, tokens)], lambda i, logits: None, keep)
+    return np.concatenate([pieces[start] for start in sorted(pieces)])[: len(tokens)]
 
 
 def head_call_ms(micro: MicroReport | None, weight_format: str) -> tuple[str, float] | None:
