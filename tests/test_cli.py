@@ -51,7 +51,7 @@ def test_specializations_command_writes_the_vendor_format(tmp_path):
         (["-k", "-1"], ["-1"]),
         (["-k", "200", "--ctx-len", "128"], ["200", "128"]),
         (["--prefill-seq-len", "256", "--ctx-len", "128"], ["256", "128"]),
-        (["--batch-size", "4", "--full-batch-size", "2"], ["full_batch_size 2", "batch_size 4"]),
+        (["--batch-size", "4", "--full-batch-size", "2"], ["--full-batch-size 2", "--batch-size 4"]),
         (["--spec-format", "yaml"], ["yaml"]),
     ],
 )
@@ -266,3 +266,12 @@ def test_ctrl_c_keeps_the_finished_results(capsys, as_json):
     else:
         assert out.out == "--- 1\ndone\n"
     assert "1 of 3 requests finished" in out.err
+
+
+def test_errors_name_the_flags_not_the_fields(cli_package):
+    """A bad value is reported under the flag the user typed (--max-new-tokens 0), not the library's field."""
+    assert_one_line_error(
+        qspec("generate", str(cli_package), "-p", "hi", "--max-new-tokens", "0"), "--max-new-tokens 0"
+    )
+    assert_one_line_error(qspec("generate", str(cli_package), "-p", "hi", "--temperature", "-1"), "--temperature -1.0")
+    assert_one_line_error(qspec("specializations", "--prefill-seq-len", "256", "--ctx-len", "128"), "raise --ctx-len")
