@@ -193,8 +193,12 @@ def test_brackets_survive_in_errors_and_help(tmp_path):
 
 def test_package_files_follow_the_umask(cli_package):
     """Package files and folders get the user's umask (0644 / 0755 under 022), not tempfile's 0600 / 0700."""
-    assert cli_package.stat().st_mode & 0o777 == 0o755
-    assert (cli_package / "manifest.json").stat().st_mode & 0o777 == 0o644
+    from qspec.common import current_umask
+
+    mask = current_umask()
+    assert cli_package.stat().st_mode & 0o777 == 0o777 & ~mask
+    assert (cli_package / "manifest.json").stat().st_mode & 0o777 == 0o666 & ~mask
+    assert (cli_package / "specializations.json").stat().st_mode & 0o777 == 0o666 & ~mask
 
 
 def test_info_shows_what_a_package_holds(cli_package):
