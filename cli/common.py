@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Optional
@@ -50,9 +51,33 @@ def debug_enabled() -> bool:
     return os.environ.get("QSPEC_DEBUG", "") not in ("", "0")
 
 
+def name_flags(message: str) -> str:
+    """The running command's options as the user typed them, not as the library's fields:
+    ``max_new_tokens=0: ...`` -> ``--max-new-tokens 0: ...``, ``max_batch_size 9 must ...`` ->
+    ``--max-batch-size 9 must ...`` (a one-word name only before ``=``: prose keeps its words)."""
+    try:  # typer >= 0.22 carries its own click
+        from typer._click.globals import get_current_context
+    except ImportError:  # pragma: no cover - older typer on click
+        from click import get_current_context
+
+    context = get_current_context(silent=True)
+    if context is None:
+        return message
+    for param in context.command.params:
+        if getattr(param, "param_type_name", None) != "option" or not param.name:
+            continue
+        flag = max(param.opts, key=len)
+        # a value follows (`name=3`, `name 3`) or, for a snake_case name, the clause ends (`raise ctx_len;`)
+        follows = r"=|\s(?=[-\w'\"(\[])|(?=$|[;,.:)])" if "_" in param.name else "="
+        message = re.sub(
+            rf"(?<![\w-]){param.name}({follows})", lambda m, flag=flag: flag + (" " if m.group(1) else ""), message
+        )
+    return message
+
+
 def fail(message: str, code: int = 1) -> typer.Exit:
-    """Print ``Error: message`` (one line, no markup) on stderr; returns the Exit to raise."""
-    console.print(f"[red]Error:[/] {escape(message)}")
+    """Print ``Error: message`` (one line, no markup, the command's flags named) on stderr; returns the Exit."""
+    console.print(f"[red]Error:[/] {escape(name_flags(message))}")
     return typer.Exit(code)
 
 

@@ -51,7 +51,7 @@ def test_specializations_command_writes_the_vendor_format(tmp_path):
         (["-k", "-1"], ["-1"]),
         (["-k", "200", "--ctx-len", "128"], ["200", "128"]),
         (["--prefill-seq-len", "256", "--ctx-len", "128"], ["256", "128"]),
-        (["--batch-size", "4", "--full-batch-size", "2"], ["full_batch_size 2", "batch_size 4"]),
+        (["--batch-size", "4", "--full-batch-size", "2"], ["--full-batch-size 2", "--batch-size 4"]),
         (["--spec-format", "yaml"], ["yaml"]),
     ],
 )
@@ -193,8 +193,12 @@ def test_brackets_survive_in_errors_and_help(tmp_path):
 
 def test_package_files_follow_the_umask(cli_package):
     """Package files and folders get the user's umask (0644 / 0755 under 022), not tempfile's 0600 / 0700."""
-    assert cli_package.stat().st_mode & 0o777 == 0o755
-    assert (cli_package / "manifest.json").stat().st_mode & 0o777 == 0o644
+    from qspec.common import current_umask
+
+    mask = current_umask()
+    assert cli_package.stat().st_mode & 0o777 == 0o777 & ~mask
+    assert (cli_package / "manifest.json").stat().st_mode & 0o777 == 0o666 & ~mask
+    assert (cli_package / "specializations.json").stat().st_mode & 0o777 == 0o666 & ~mask
 
 
 def test_info_shows_what_a_package_holds(cli_package):
@@ -266,3 +270,12 @@ def test_ctrl_c_keeps_the_finished_results(capsys, as_json):
     else:
         assert out.out == "--- 1\ndone\n"
     assert "1 of 3 requests finished" in out.err
+
+
+def test_errors_name_the_flags_not_the_fields(cli_package):
+    """A bad value is reported under the flag the user typed (--max-new-tokens 0), not the library's field."""
+    assert_one_line_error(
+        qspec("generate", str(cli_package), "-p", "hi", "--max-new-tokens", "0"), "--max-new-tokens 0"
+    )
+    assert_one_line_error(qspec("generate", str(cli_package), "-p", "hi", "--temperature", "-1"), "--temperature -1.0")
+    assert_one_line_error(qspec("specializations", "--prefill-seq-len", "256", "--ctx-len", "128"), "raise --ctx-len")

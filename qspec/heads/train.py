@@ -46,10 +46,19 @@ class TrainOptions(FrozenModel):
     threads: int | None = None
 
 
-def load_features(paths: list[Path]) -> dict:
-    """Several features files (:func:`qspec.heads.data.collect_features`) as one."""
+def load_features(paths: list[Path], lm_head=None, say: Progress | None = None) -> dict:
+    """Several features files (:func:`qspec.heads.data.collect_features`) as one; with ``lm_head``, also the
+    target's greedy label of every position (``greedy``), computed once per file and kept beside it."""
     parts = [dict(np.load(p)) for p in paths]
-    out = {key: np.concatenate([p[key] for p in parts]) for key in ("features", "tokens")}
+    if lm_head is not None:
+        for path, part in zip(paths, parts):
+            cached = Path(path).with_suffix(".greedy.npy")
+            if not cached.is_file() or len(np.load(cached)) != len(part["features"]):
+                (say or (lambda message: None))(f"labelling {len(part['features'])} positions of {Path(path).name}")
+                np.save(cached, greedy_labels(part["features"], lm_head))
+            part["greedy"] = np.load(cached)
+    keys = ("features", "tokens", "greedy") if lm_head is not None else ("features", "tokens")
+    out = {key: np.concatenate([p[key] for p in parts]) for key in keys}
     starts, answers, offset = [np.zeros(1, np.int64)], [], 0
     for p in parts:
         starts.append(p["starts"][1:] + offset)
@@ -251,9 +260,7 @@ def train_head(
     torch.manual_seed(options.seed)
     if options.threads:
         torch.set_num_threads(options.threads)
-    data = load_features(features)
-    say(f"labelling {len(data['features'])} positions with the target's greedy tokens")
-    data["greedy"] = greedy_labels(data["features"], target_model.get_output_embeddings())
+    data = load_features(features, target_model.get_output_embeddings(), say)
     train_ids, held_ids = _split(data, options.held_out, options.seed)
     vocab = target_model.config.vocab_size
     draft_ids = draft_vocabulary(data, options.draft_vocab)

@@ -107,4 +107,6 @@ class QaicModel(LoadedModel):
         self.session.set_buffers({contract.LOGITS: bound.logits})
         outputs = self.session.run(inputs)
         bound.logits[...] = outputs[contract.LOGITS]
+        if contract.HIDDEN_STATES in outputs:  # a package compiled for a draft head
+            bound.hidden_states = np.asarray(outputs[contract.HIDDEN_STATES], dtype=np.float32)
         return bound.logits
