@@ -302,3 +302,12 @@ def test_replayed_head_drafts_are_the_runs_drafts(head_run):
         steps = ran[rid]
         assert len(steps) > 1 and all(replayed.drafts[rid][n][: len(d)] == d for n, d in steps.items()), rid
         assert sum(len(d) for d in steps.values()) > len(steps)  # chains, not only first drafts
+
+
+def test_a_ceiling_of_one_captures_nothing(head_run):
+    """A random head's drafts are never worth verifying: ceiling 1.000, and no share of a gain that is not there."""
+    _, report = head_run
+    for row in report.ceilings:
+        assert row.captured is None or abs(row.captured) < 1e6, row
+        if row.oracle_x_none <= 1.0:
+            assert row.captured is None

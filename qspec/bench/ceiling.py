@@ -250,7 +250,8 @@ def ceilings(
         if not positions or none_ms is None or own_ms is None:
             continue
         oracle = [oracle_ms(steps, price, max(config.ks), costs.get(rid)) for rid, steps in replayed.items()]
-        ceiling = positions * price[0] / sum(ms for ms, _ in oracle)
+        # rounded as reported: a ceiling of 1 + 1e-15 (no draft worth verifying) captures nothing, not -1e15
+        ceiling = round(positions * price[0] / sum(ms for ms, _ in oracle), 3)
         measured = none_ms / own_ms
         rows.append(
             CeilingRow(
@@ -260,7 +261,7 @@ def ceilings(
                 positions=positions,
                 drafted_positions=sum(1 for steps in replayed.values() for offered, _ in steps if offered),
                 oracle_calls=sum(calls for _, calls in oracle),
-                oracle_x_none=round(ceiling, 3),
+                oracle_x_none=ceiling,
                 measured_x_none=round(measured, 3),
                 captured=round((measured - 1) / (ceiling - 1), 2) if ceiling > 1 else None,
                 replay="hidden states" if key in head_replays else "tokens",
