@@ -44,7 +44,7 @@ def eagle_dir(tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def head_run(tiny_model, eagle_dir, tmp_path_factory):
-    """A small run with an EAGLE head: batch 1 and 2, K list [0,4], fp32, no baselines, peers or memory."""
+    """A small run with an EAGLE head: batch 1 and 2, K list [0,4], fp32, memory probes, no baselines or peers."""
     from qspec_cli.main import app
 
     out = tmp_path_factory.mktemp("bench-heads")
@@ -55,7 +55,7 @@ def head_run(tiny_model, eagle_dir, tmp_path_factory):
     args += ["--batch-sizes", "1,2", "--k-lists", "0,4", "--weight-formats", "fp32", "--micro-iterations", "2"]
     args += ["--prefill-chunk-sizes", "", "--ctx-len", "128", "--prefill-seq-len", "8", "--packages-dir"]
     args += [str(out / "packages"), "--comp-ctx-lengths-prefill", "", "--comp-ctx-lengths-decode", ""]
-    args += ["--no-baselines", "--no-peers", "--no-memory"]
+    args += ["--no-baselines", "--no-peers"]
     with pytest.MonkeyPatch.context() as patch:
         for peer in PEER_MODULES:
             patch.setitem(PEER_MODULES, peer, "qspec_tests_no_such_module")
@@ -73,6 +73,9 @@ def test_head_methods_run_beside_pld_and_equal_none(head_run):
     assert report.meta.options.methods == ("pld", "suffix", "eagle", "eagle+pld")
     assert report.equality.speculative_equal_none is True
     assert all("-head" in folder for folder in report.meta.packages.values())
+    # every configuration loads in its own process, heads too; the 1-vs-many comparison leaves heads out
+    assert report.memory.probes["eagle+pld[0,4]@1"].peak_rss_mb > 0
+    assert report.memory.many_config == "pld[0,4]@1"
 
 
 def test_report_has_acceptance_per_position(head_run):
@@ -297,6 +300,7 @@ def test_replayed_head_drafts_are_the_runs_drafts(head_run):
     ran = dict(zip(prompts, run.drafts.values()))  # the engine numbers its requests itself, in order
     hidden = {rid: target_hidden_states(none.model, prompts[rid], outputs[rid]) for rid in prompts}
     replayed = Recording(make_proposer("eagle", package=package))
+    replayed.proposer.check_target(vocab_size=none.model.vocab_size, ctx_len=none.model.ctx_len, num_slots=1)
     replay(replayed.proposer, prompts, outputs, 4, hidden)
     for rid in prompts:  # near max_new_tokens the engine asks for fewer drafts: the replay's start the same
         steps = ran[rid]
@@ -311,3 +315,56 @@ def test_a_ceiling_of_one_captures_nothing(head_run):
         assert row.captured is None or abs(row.captured) < 1e6, row
         if row.oracle_x_none <= 1.0:
             assert row.captured is None
+
+
+@pytest.fixture(scope="module")
+def medusa_package(tiny_model, tmp_path_factory):
+    """A batch-1 package, K 0 and 4, with a random Medusa head (2 heads)."""
+    from qspec.compile import CompileOptions, compile_package
+    from qspec.specializations import make_config
+
+    root = tmp_path_factory.mktemp("medusa")
+    head = save_head(tiny_model("llama"), root / "head", "medusa")
+    spec = make_config(num_speculative_tokens="0,4", prefill_seq_len=8, ctx_len=128)
+    options = CompileOptions(specialization=spec, draft_head=str(head))
+    package, _, _ = compile_package(str(tiny_model("llama")), options, output=root / "package")
+    return package
+
+
+def test_medusa_head_calls_are_timed_per_batch_size(medusa_package):
+    """A Medusa head has one shape per row count (batch 1 here); the ceiling prices its step by that call."""
+    from qspec.bench.ceiling import head_call_ms
+    from qspec.bench.micro import head_micro_benchmark
+    from qspec.bench.report import MicroReport
+
+    head = head_micro_benchmark(medusa_package, 2, 1e10, batch=1, weight_format="fp32")
+    assert (head.method, [c.specialization for c in head.calls]) == ("medusa", ["batch=1"])
+    assert head.calls[0].median_ms > 0 and head.target_k0_ms is None  # no target micro-benchmark given
+    micro = MicroReport(copy_bandwidth_gb_s=10.0, packages=[], heads=[head])
+    assert head_call_ms(micro, "fp32") == ("medusa", head.calls[0].median_ms)
+    assert head_call_ms(micro, "int4") is None
+
+
+def test_replayed_medusa_drafts_are_the_runs_drafts(medusa_package):
+    """Medusa reads the newest hidden state only: the replay proposes what the run proposed at its call starts."""
+    from qspec.bench.ceiling import replay, target_hidden_states
+    from qspec.runtime import Engine, SamplingParams
+    from qspec.runtime.proposers import make_proposer
+
+    params = SamplingParams(max_new_tokens=16)
+    prompts = {"a": [5, 6, 7, 8, 5, 6, 7, 8, 5, 6], "b": list(range(30, 50))}
+    none = Engine(medusa_package, method="none")
+    outputs = {rid: list(none.generate([p], params)[0].token_ids) for rid, p in prompts.items()}
+    run = Recording(make_proposer("medusa", package=medusa_package))
+    engine = Engine(
+        medusa_package, method="medusa", num_speculative_tokens=[4], dispatch="cover", proposer=run.proposer
+    )
+    for prompt in prompts.values():
+        engine.generate([prompt], params)
+    ran = dict(zip(prompts, run.drafts.values()))
+    hidden = {rid: target_hidden_states(none.model, prompts[rid], outputs[rid]) for rid in prompts}
+    replayed = Recording(make_proposer("medusa", package=medusa_package))
+    replayed.proposer.check_target(vocab_size=none.model.vocab_size, ctx_len=none.model.ctx_len, num_slots=1)
+    replay(replayed.proposer, prompts, outputs, 4, hidden)
+    for rid, steps in ran.items():
+        assert len(steps) > 1 and all(replayed.drafts[rid][n][: len(d)] == d for n, d in steps.items()), rid
