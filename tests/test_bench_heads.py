@@ -368,3 +368,42 @@ def test_replayed_medusa_drafts_are_the_runs_drafts(medusa_package):
     replay(replayed.proposer, prompts, outputs, 4, hidden)
     for rid, steps in ran.items():
         assert len(steps) > 1 and all(replayed.drafts[rid][n][: len(d)] == d for n, d in steps.items()), rid
+
+
+def test_a_heads_drafts_with_a_smaller_cap_are_a_prefix(head_run):
+    """EAGLE's drafts capped at 2 are the first 2 of its drafts capped at 4, position by position, so one replay
+    at the deepest K serves every K list; head_replays_of shares it between eagle's K lists."""
+    from qspec.bench.analysis import Collected
+    from qspec.bench.ceiling import head_replays_of, replay, target_hidden_states
+    from qspec.bench.plan import RunConfig, none_config
+    from qspec.bench.report import MicroCall, MicroHead, MicroReport
+    from qspec.bench.runners import RequestResult
+    from qspec.runtime import Engine, SamplingParams
+    from qspec.runtime.metrics import RequestMetrics
+    from qspec.runtime.proposers import make_proposer
+
+    _, report = head_run
+    package = report.meta.packages["1"]
+    none = Engine(package, method="none")
+    prompts = {"a": [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]}
+    outputs = {"a": list(none.generate([prompts["a"]], SamplingParams(max_new_tokens=12))[0].token_ids)}
+    hidden = {"a": target_hidden_states(none.model, prompts["a"], outputs["a"])}
+    drafts = {}
+    for cap in (2, 4):
+        recording = Recording(make_proposer("eagle", package=package))
+        recording.proposer.check_target(vocab_size=none.model.vocab_size, ctx_len=none.model.ctx_len, num_slots=1)
+        replay(recording.proposer, prompts, outputs, cap, hidden)
+        drafts[cap] = recording.drafts["a"]
+    assert drafts[2] == {n: d[:2] for n, d in drafts[4].items()}
+
+    collected = {none_config("fp32", 1).key: Collected(none_config("fp32", 1))}
+    collected["none@1"].requests["a"] = ("chat", RequestResult(outputs["a"], "", RequestMetrics()))
+    call = MicroCall(specialization="seq_len=1", shape="", median_ms=1.0, tokens_per_call=1, ratio_to_floor=1.0)
+    head = MicroHead(
+        batch=1, weight_format="fp32", method="eagle", package=package, weight_bytes=1, floor_ms=1.0, iterations=1,
+        target_k0_ms=None, calls=[call],
+    )  # fmt: skip
+    micro = MicroReport(copy_bandwidth_gb_s=1.0, packages=[], heads=[head])
+    configs = [RunConfig("eagle", (4,), 1), RunConfig("eagle", (0, 4), 1), RunConfig("eagle+pld", (0, 4), 1)]
+    replays = head_replays_of(configs, {("fp32", 1): none.model}, collected, prompts, micro)
+    assert replays["eagle[4]@1"] is replays["eagle[0,4]@1"] and "eagle+pld[0,4]@1" in replays

@@ -275,35 +275,53 @@ def head_replays_of(
 ) -> dict[str, dict[str, HeadReplay]]:
     """:func:`replay_head` of every head configuration at batch 1 whose package's head the micro-benchmark
     priced, along ``none``'s first-turn outputs of its weight format; ``models``: (weight format, batch) ->
-    the run's loaded model (its KV slot 0 is overwritten: call between runs)."""
-    from qspec.runtime.heads import LookupFirstProposer
+    the run's loaded model (its KV slot 0 is overwritten: call between runs).
+
+    A head's drafts with a cap of k are the first k of its drafts with a larger cap (a chain or a row of
+    Medusa heads cut short), and the oracle never verifies more than a configuration's largest K: so
+    ``eagle`` and ``medusa`` replay once per weight format, at their deepest K list. ``+pld`` replays per K list (the
+    lookup picks its match by the continuation it can offer, which depends on the cap)."""
     from qspec.runtime.proposers import HEAD_METHODS
 
-    out: dict[str, dict[str, HeadReplay]] = {}
+    wanted = [
+        c
+        for c in configs
+        if c.method in HEAD_METHODS
+        and c.batch == 1
+        and any(c.ks)
+        and (c.weight_format, 1) in models
+        and none_config(c.weight_format, 1).key in collected
+        and head_call_ms(micro, c.weight_format)
+    ]
+    deepest: dict[tuple[str, str], int] = {}
+    for c in wanted:
+        deepest[c.method, c.weight_format] = max(deepest.get((c.method, c.weight_format), 0), max(c.ks))
     hidden_by_format: dict[str, dict[str, np.ndarray]] = {}
-    for config in configs:
-        model = models.get((config.weight_format, 1))
-        none = collected.get(none_config(config.weight_format, 1).key)
-        priced = head_call_ms(micro, config.weight_format)
-        if config.method not in HEAD_METHODS or config.batch != 1 or model is None or none is None or not priced:
-            continue
-        outputs = {rid: r.tokens for rid, (_, r) in none.requests.items() if rid in prompts}
-        if config.weight_format not in hidden_by_format:
-            hidden_by_format[config.weight_format] = {
-                rid: target_hidden_states(model, prompts[rid], tokens) for rid, tokens in outputs.items()
-            }
-        proposer = make_proposer(config.method, package=model.package)
-        proposer.check_target(vocab_size=model.vocab_size, ctx_len=model.ctx_len, num_slots=1)
-        min_match = proposer.min_match if isinstance(proposer, LookupFirstProposer) else None
-        method, ms = priced
-        out[config.key] = replay_head(
-            proposer,
-            prompts,
-            outputs,
-            hidden_by_format[config.weight_format],
-            max(config.ks),
-            method=method,
-            call_ms=ms,
-            lookup_min_match=min_match,
-        )
+    done: dict[tuple[str, str, int], dict[str, HeadReplay]] = {}
+    out = {}
+    for c in wanted:
+        k = max(c.ks) if c.method.endswith("+pld") else deepest[c.method, c.weight_format]
+        if (c.method, c.weight_format, k) not in done:
+            model = models[c.weight_format, 1]
+            none = collected[none_config(c.weight_format, 1).key]
+            outputs = {rid: r.tokens for rid, (_, r) in none.requests.items() if rid in prompts}
+            if c.weight_format not in hidden_by_format:
+                hidden_by_format[c.weight_format] = {
+                    rid: target_hidden_states(model, prompts[rid], tokens) for rid, tokens in outputs.items()
+                }
+            done[c.method, c.weight_format, k] = _replay_config(
+                c.method, model, prompts, outputs, hidden_by_format[c.weight_format], k, micro, c.weight_format
+            )
+        out[c.key] = done[c.method, c.weight_format, k]
     return out
+
+
+def _replay_config(method, model, prompts, outputs, hidden, k: int, micro, weight_format: str):
+    """One head method's :func:`replay_head` on ``model``'s package with a fresh proposer."""
+    from qspec.runtime.heads import LookupFirstProposer
+
+    proposer = make_proposer(method, package=model.package)
+    proposer.check_target(vocab_size=model.vocab_size, ctx_len=model.ctx_len, num_slots=1)
+    min_match = proposer.min_match if isinstance(proposer, LookupFirstProposer) else None
+    head, ms = head_call_ms(micro, weight_format)
+    return replay_head(proposer, prompts, outputs, hidden, k, method=head, call_ms=ms, lookup_min_match=min_match)
