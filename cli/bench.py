@@ -48,9 +48,19 @@ def bench(
     ] = None,
     max_new_tokens: Annotated[Optional[int], typer.Option(help="Tokens per request (default 128).")] = None,
     batch_sizes: Annotated[Optional[str], typer.Option(help="Max batch sizes, e.g. 1,4.")] = None,
-    methods: Annotated[Optional[str], typer.Option(help="Speculative methods besides none: pld,suffix,draft.")] = None,
+    methods: Annotated[
+        Optional[str],
+        typer.Option(help="Speculative methods besides none: pld,suffix,draft, eagle,medusa,eagle+pld,medusa+pld."),
+    ] = None,
     k_lists: Annotated[Optional[str], typer.Option(help="K lists separated by ';', e.g. '4;0,4;0,1,2,4,8'.")] = None,
     draft_package: DraftPackageOption = None,
+    draft_head: Annotated[
+        Optional[Path],
+        typer.Option(
+            help="A draft head checkpoint (EAGLE-1, Medusa, turbo) compiled into the bench's packages; "
+            "its method and its +pld combination join the methods."
+        ),
+    ] = None,
     baselines: Annotated[bool, typer.Option(help="Run the transformers baselines (batch 1).")] = True,
     peers: Annotated[
         bool,
@@ -104,6 +114,7 @@ def bench(
             methods=methods,
             k_lists=k_lists,
             draft_package=draft_package,
+            draft_head=draft_head,
             baselines=baselines,
             peers=peers,
             memory=memory,

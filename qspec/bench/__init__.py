@@ -9,9 +9,11 @@ What one run does, in order (:func:`run_bench`):
    batch 1 is a plain ``batch_size=1`` package, batch B > 1 a continuous-batching one with
    ``full_batch_size=B``. A configuration restricts the engine to its own Ks, so ``none``,
    ``pld[4]`` and ``pld[0,4]`` all run on the same loaded weights. One more package with K=0 only
-   is compiled for the memory comparison (1 vs 5 specializations).
+   is compiled for the memory comparison (1 vs 5 specializations). With ``draft_head`` every package
+   holds that head (``qspec compile --draft-head``) and its method and ``+pld`` run where ``pld`` runs.
 2. **Micro-benchmark** (:mod:`.micro`): the median time of one call per specialization of every
-   package, against its weight format's memory-bandwidth floor ``weight bytes / copy bandwidth``.
+   package, against its weight format's memory-bandwidth floor ``weight bytes / copy bandwidth``;
+   and of each specialization of a package's draft head.
 3. **Timed rounds** (:mod:`.run`): the prompts are cut into rounds of ``round_size``; every round
    runs every configuration, the order rotated by one each round. Each runtime runs behind a
    :class:`~qspec.bench.runners.Runner`: qspec's engine, and the transformers baselines
@@ -22,7 +24,8 @@ What one run does, in order (:func:`run_bench`):
    little and reports its RSS after loading and its peak.
 5. **Checks** (:mod:`.analysis`): every configuration's greedy tokens against ``none``'s of the same
    weight format at the same batch size (and the other formats' and the baselines' against fp32
-   ``none``, as agreement). The bench measures and reports; the project's own goals live outside the
+   ``none``, as agreement); the speculation ceiling (:mod:`.ceiling`), head drafts replayed on the
+   target's hidden states. The bench measures and reports; the project's own goals live outside the
    package (``bench/targets.py`` reads ``report.json``).
 
 The report is a typed :class:`~qspec.bench.report.BenchReport`; :func:`write_report` writes

@@ -18,6 +18,14 @@ Its speed-up over ``none`` is the most any dispatch of those drafts can reach on
 configuration's measured decode speed-up (``none``'s time per output token over its own) against it
 says what share of the possible gain the dispatch took. A ceiling below a target says that the
 drafts, not the dispatch or the graph, are what stands in the way.
+
+Head drafts (``eagle``, ``medusa``, their ``+pld``) depend on the target's hidden states too, which are
+as deterministic as its greedy tokens: :func:`target_hidden_states` runs the package's target once over
+a request's prompt and ``none``'s output (prefill calls), and :func:`replay` hands the head proposer the
+hidden state of each position as the engine would after a verify call. Two differences from the run,
+said in the report: the hidden states come from prefill-shaped calls, not verify calls (float sums in
+another order: a near-tie of the head's argmax can flip), and the oracle also pays for the head's calls
+(:func:`head_draft_ms`, at the micro-benchmark's prices).
 """
 
 from __future__ import annotations
@@ -30,12 +38,14 @@ from qspec.bench.analysis import Collected
 from qspec.bench.plan import none_config
 from qspec.bench.report import CeilingRow, MicroReport
 from qspec.bench.runners import RequestResult
+from qspec.runtime.proposal import Proposer
 from qspec.runtime.proposers import make_proposer
 
 # Methods whose drafts depend only on the tokens (replayable without a model)
 REPLAYABLE = ("pld", "suffix")
 
 Step = tuple[int, int]  # (drafts on offer, of which accepted) at one position
+HeadReplay = tuple[list[Step], list[tuple[float, ...]]]  # the steps of all requests, ms of d drafts at each
 
 
 def accepted_depth(drafts: Sequence[int], output: Sequence[int], at: int) -> int:
@@ -55,25 +65,107 @@ def replay_drafts(
     """Per request, ``(drafts on offer, accepted)`` at each decode position ``1 .. len(output) - 1``
     (token 0 comes from the prefill), with ``method``'s proposer at its default knobs offering at most
     ``k`` drafts. Requests replay in the order given (a suffix proposer also learns across requests)."""
-    proposer = make_proposer(method)
+    replayed = replay(make_proposer(method), prompts, outputs, k)
+    return {rid: [step for step, _ in steps] for rid, steps in replayed.items()}
+
+
+def replay(
+    proposer: Proposer,
+    prompts: Mapping[str, Sequence[int]],
+    outputs: Mapping[str, Sequence[int]],
+    k: int,
+    hidden: Mapping[str, np.ndarray] | None = None,
+) -> dict[str, list[tuple[Step, int]]]:
+    """Per request, ``((drafts on offer, accepted), match_len)`` at each decode position, ``proposer`` fed
+    as the engine feeds it. ``hidden``: per request ``[positions, hidden]`` (:func:`target_hidden_states`)
+    for a proposer that reads hidden states: the prompt's before the first step, then position ``p``'s
+    once the token after it is emitted (a verify call computes it)."""
     replayed = {}
     for rid, output in outputs.items():
-        proposer.start(rid, list(prompts[rid]))
+        prompt = list(prompts[rid])
+        proposer.start(rid, prompt)
+        if hidden is not None:
+            proposer.observe_hidden(rid, 0, hidden[rid][: len(prompt)])
         proposer.extend(rid, list(output[:1]))
         steps = []
         for at in range(1, len(output)):
-            drafts = [int(t) for t in proposer.propose(rid, k)]
-            steps.append((len(drafts), accepted_depth(drafts, output, at)))
+            proposal = proposer.propose_batch([(rid, k)])[0]
+            drafts = [int(t) for t in proposal.tokens]
+            steps.append(((len(drafts), accepted_depth(drafts, output, at)), proposal.match_len))
+            if hidden is not None:  # position len(prompt) + at - 1 holds output[at - 1]
+                p = len(prompt) + at - 1
+                proposer.observe_hidden(rid, p, hidden[rid][p : p + 1])
             proposer.extend(rid, [output[at]])
         proposer.finish(rid)
         replayed[rid] = steps
     return replayed
 
 
-def oracle_ms(steps: Sequence[Step], price: Mapping[int, float], max_depth: int) -> tuple[float, int]:
+def target_hidden_states(model, prompt: Sequence[int], output: Sequence[int]) -> np.ndarray:
+    """``[positions, hidden]``: the target's hidden state at every position of ``prompt + output[:-1]``, from
+    prefill calls of ``model`` (a loaded package with the ``hidden_states`` output) into KV slot 0."""
+    from qspec.runtime.prefill import PrefillRow, run_prefill
+
+    tokens = [*prompt, *output[:-1]]
+    pieces: dict[int, np.ndarray] = {}
+
+    def keep(i: int, start: int, hidden: np.ndarray) -> None:
+        pieces[start] = np.array(hidden, np.float32)  # a view of the call's output buffer: the next call reuses it
+
+    run_prefill(model, [PrefillRow(0, tokens)], lambda i, logits: None, keep)
+    return np.concatenate([pieces[start] for start in sorted(pieces)])[: len(tokens)]
+
+
+def head_call_ms(micro: MicroReport | None, weight_format: str) -> tuple[str, float] | None:
+    """``(method, ms)`` of the batch-1 ``weight_format`` package's head step: EAGLE's ``seq_len=1`` call,
+    Medusa's ``batch=1`` call; None when the micro-benchmark did not time it."""
+    head = next((h for h in (micro.heads if micro else []) if h.batch == 1 and h.weight_format == weight_format), None)
+    wanted = "seq_len=1" if head and head.method == "eagle" else "batch=1"
+    call = next((c for c in head.calls if c.specialization == wanted), None) if head else None
+    return (head.method, call.median_ms) if call else None
+
+
+def head_draft_ms(method: str, call_ms: float, offered: int, from_head: bool) -> tuple[float, ...]:
+    """ms to obtain ``d = 0 .. offered`` drafts at one position: nothing for no draft or lookup's drafts;
+    EAGLE one head call per draft (its catch-up priced as a one-token call), Medusa one call for any d.
+    ``head_draft_ms("eagle", 2.0, 3, True) == (0.0, 2.0, 4.0, 6.0)``."""
+    if not from_head:
+        return (0.0,) * (offered + 1)
+    return tuple(0.0 if d == 0 else call_ms * (d if method == "eagle" else 1) for d in range(offered + 1))
+
+
+def replay_head(
+    proposer: Proposer,
+    prompts: Mapping[str, Sequence[int]],
+    outputs: Mapping[str, Sequence[int]],
+    hidden: Mapping[str, np.ndarray],
+    k: int,
+    *,
+    method: str,
+    call_ms: float,
+    lookup_min_match: int | None = None,
+) -> dict[str, HeadReplay]:
+    """Per request, the steps of a head proposer (``lookup_min_match``: of ``eagle+pld``, whose drafts after a
+    match that long are lookup's, free) and what its drafts cost at each step."""
+    out = {}
+    for rid, steps in replay(proposer, prompts, outputs, k, hidden).items():
+        costs = []
+        for (offered, _), match_len in steps:
+            from_head = lookup_min_match is None or match_len < lookup_min_match
+            costs.append(head_draft_ms(method, call_ms, offered, from_head))
+        out[rid] = ([step for step, _ in steps], costs)
+    return out
+
+
+def oracle_ms(
+    steps: Sequence[Step],
+    price: Mapping[int, float],
+    max_depth: int,
+    draft_ms: Sequence[Sequence[float]] | None = None,
+) -> tuple[float, int]:
     """``(ms, calls)`` of the fastest way through ``steps`` (one request's :func:`replay_drafts`) when
     each call verifies any number of the drafts on offer up to ``max_depth`` (the configuration's
-    largest K), at :func:`call_ms` of that many."""
+    largest K), at :func:`call_ms` of that many, plus ``draft_ms[i][depth]`` when drafting costs (a head)."""
     n = len(steps)
     best = [(0.0, 0)] * (n + 1)  # best[i]: (ms, calls) from position i to the end
     for i in range(n - 1, -1, -1):
@@ -81,7 +173,8 @@ def oracle_ms(steps: Sequence[Step], price: Mapping[int, float], max_depth: int)
         options = []
         for depth in range(min(offered, max_depth) + 1):
             reach = min(i + 1 + min(depth, accepted), n)
-            options.append((call_ms(price, depth) + best[reach][0], best[reach][1] + 1))
+            drafting = draft_ms[i][depth] if draft_ms is not None else 0.0
+            options.append((call_ms(price, depth) + drafting + best[reach][0], best[reach][1] + 1))
         best[i] = min(options)
     return best[0]
 
@@ -122,15 +215,22 @@ def decode_ms_per_token(requests: Mapping[str, RequestResult]) -> float | None:
 
 
 def ceilings(
-    collected: Mapping[str, Collected], prompts: Mapping[str, Sequence[int]], micro: MicroReport | None
+    collected: Mapping[str, Collected],
+    prompts: Mapping[str, Sequence[int]],
+    micro: MicroReport | None,
+    head_replays: Mapping[str, dict[str, HeadReplay]] | None = None,
 ) -> list[CeilingRow]:
     """One row per replayable speculative qspec configuration at batch 1, over its first-turn requests
     (``prompts``: their token ids): its ceiling over ``none`` of its weight format, the decode speed-up
-    it measured (``none``'s decode ms per token over its own), and the share of the possible gain it took."""
+    it measured (``none``'s decode ms per token over its own), and the share of the possible gain it took.
+    ``head_replays``: config key -> :func:`replay_head` of a head configuration (replayed while the run's
+    models were loaded: :func:`head_replays_of`)."""
+    head_replays = head_replays or {}
     rows = []
     for key, c in collected.items():
         config = c.config
-        if config.baseline or config.batch != 1 or config.method not in REPLAYABLE or not any(config.ks):
+        replayable = config.method in REPLAYABLE or key in head_replays
+        if config.baseline or config.batch != 1 or not replayable or not any(config.ks):
             continue
         none = collected.get(none_config(config.weight_format, 1).key)
         price = decode_prices(micro, config.weight_format)
@@ -138,13 +238,20 @@ def ceilings(
             continue
         first = {rid: result for rid, (_, result) in none.requests.items() if rid in prompts}
         own = {rid: result for rid, (_, result) in c.requests.items() if rid in first}
-        replayed = replay_drafts(config.method, prompts, {rid: r.tokens for rid, r in first.items()}, max(config.ks))
+        costs: dict[str, list] = {}
+        if key in head_replays:
+            replayed = {rid: steps for rid, (steps, _) in head_replays[key].items() if rid in first}
+            costs = {rid: cost for rid, (_, cost) in head_replays[key].items()}
+        else:
+            outputs = {rid: r.tokens for rid, r in first.items()}
+            replayed = replay_drafts(config.method, prompts, outputs, max(config.ks))
         positions = sum(len(steps) for steps in replayed.values())
         none_ms, own_ms = decode_ms_per_token(first), decode_ms_per_token(own)
         if not positions or none_ms is None or own_ms is None:
             continue
-        oracle = [oracle_ms(steps, price, max(config.ks)) for steps in replayed.values()]
-        ceiling = positions * price[0] / sum(ms for ms, _ in oracle)
+        oracle = [oracle_ms(steps, price, max(config.ks), costs.get(rid)) for rid, steps in replayed.items()]
+        # rounded as reported: a ceiling of 1 + 1e-15 (no draft worth verifying) captures nothing, not -1e15
+        ceiling = round(positions * price[0] / sum(ms for ms, _ in oracle), 3)
         measured = none_ms / own_ms
         rows.append(
             CeilingRow(
@@ -154,9 +261,49 @@ def ceilings(
                 positions=positions,
                 drafted_positions=sum(1 for steps in replayed.values() for offered, _ in steps if offered),
                 oracle_calls=sum(calls for _, calls in oracle),
-                oracle_x_none=round(ceiling, 3),
+                oracle_x_none=ceiling,
                 measured_x_none=round(measured, 3),
                 captured=round((measured - 1) / (ceiling - 1), 2) if ceiling > 1 else None,
+                replay="hidden states" if key in head_replays else "tokens",
             )
         )
     return rows
+
+
+def head_replays_of(
+    configs, models: Mapping, collected: Mapping[str, Collected], prompts: Mapping[str, Sequence[int]], micro
+) -> dict[str, dict[str, HeadReplay]]:
+    """:func:`replay_head` of every head configuration at batch 1 whose package's head the micro-benchmark
+    priced, along ``none``'s first-turn outputs of its weight format; ``models``: (weight format, batch) ->
+    the run's loaded model (its KV slot 0 is overwritten: call between runs)."""
+    from qspec.runtime.heads import LookupFirstProposer
+    from qspec.runtime.proposers import HEAD_METHODS
+
+    out: dict[str, dict[str, HeadReplay]] = {}
+    hidden_by_format: dict[str, dict[str, np.ndarray]] = {}
+    for config in configs:
+        model = models.get((config.weight_format, 1))
+        none = collected.get(none_config(config.weight_format, 1).key)
+        priced = head_call_ms(micro, config.weight_format)
+        if config.method not in HEAD_METHODS or config.batch != 1 or model is None or none is None or not priced:
+            continue
+        outputs = {rid: r.tokens for rid, (_, r) in none.requests.items() if rid in prompts}
+        if config.weight_format not in hidden_by_format:
+            hidden_by_format[config.weight_format] = {
+                rid: target_hidden_states(model, prompts[rid], tokens) for rid, tokens in outputs.items()
+            }
+        proposer = make_proposer(config.method, package=model.package)
+        proposer.check_target(vocab_size=model.vocab_size, ctx_len=model.ctx_len, num_slots=1)
+        min_match = proposer.min_match if isinstance(proposer, LookupFirstProposer) else None
+        method, ms = priced
+        out[config.key] = replay_head(
+            proposer,
+            prompts,
+            outputs,
+            hidden_by_format[config.weight_format],
+            max(config.ks),
+            method=method,
+            call_ms=ms,
+            lookup_min_match=min_match,
+        )
+    return out

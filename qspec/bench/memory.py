@@ -13,6 +13,7 @@ from qspec.bench.plan import RunConfig, Steps, none_config
 from qspec.bench.report import MemoryProbe, MemoryReport
 from qspec.bench.runners import engine_knobs
 from qspec.bench.workers import Worker
+from qspec.runtime.proposers import HEAD_METHODS
 
 PROBE_MAX_NEW_TOKENS = 32
 ONE_SPEC_KEY = "none@1 (K=0 package)"
@@ -37,10 +38,11 @@ def _probe(
 def memory_ratio(configs: list[RunConfig], probes: dict[str, MemoryProbe]) -> dict:
     """Peak RSS of the batch-1 engine that runs the most specializations against the K=0 package.
 
-    Both of the primary weight format (the K=0 package's): only the number of specializations differs.
+    Both of the primary weight format (the K=0 package's): only the number of specializations differs
+    (a head method also loads its head's graph, so it is not the one compared).
     """
     one = probes.get(ONE_SPEC_KEY)
-    qspec = [c for c in configs if not c.baseline]
+    qspec = [c for c in configs if not c.baseline and c.method not in HEAD_METHODS]
     primary = qspec[0].weight_format if qspec else None
     candidates = [c for c in qspec if c.batch == 1 and c.weight_format == primary and c.key in probes]
     if one is None or not candidates:

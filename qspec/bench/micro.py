@@ -9,11 +9,15 @@ floor is its packed 4-bit weights, scales and zero points, not fp32's.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from statistics import median
 
 import numpy as np
 
-from qspec.bench.report import MicroCall, MicroPackage, PrefillChunk
+from qspec import contract
+from qspec.bench.report import MicroCall, MicroHead, MicroPackage, PrefillChunk
+
+TIMED_POSITION = 256  # timed calls end at this position (or at the bucket's or buffer's end, if smaller)
 
 
 def prepare_call(model, bound) -> None:
@@ -23,7 +27,7 @@ def prepare_call(model, bound) -> None:
     only in their compute-context-length bucket are timed at the same positions.
     """
     rows, seq = bound.input_ids.shape  # [batch_size, seq_len]
-    start = max(0, min(256, bound.spec.comp_ctx_lengths or model.ctx_len) - seq)
+    start = max(0, min(TIMED_POSITION, bound.spec.comp_ctx_lengths or model.ctx_len) - seq)
     bound.input_ids.fill(1)
     bound.position_ids[:] = np.arange(start, start + seq)
     if bound.batch_index is not None:
@@ -39,16 +43,23 @@ def time_calls(model, bounds: list, iterations: int, *, rounds: int = 5, warmup:
     """
     for bound in bounds:  # each binding keeps its own inputs; the shapes share only the KV buffer
         prepare_call(model, bound)
+    runs = [lambda bound=bound: model.run(bound) for bound in bounds]
+    return time_runs(runs, iterations, rounds=rounds, warmup=warmup)
+
+
+def time_runs(runs: list[Callable[[], object]], iterations: int, *, rounds: int = 5, warmup: int = 3) -> list[float]:
+    """Median ms of ``iterations`` calls of each of ``runs``, in ``rounds`` interleaved rounds (:func:`time_calls`)."""
+    for run in runs:
         for _ in range(warmup):
-            model.run(bound)
+            run()
     rounds = max(1, min(rounds, iterations))
-    times: list[list[float]] = [[] for _ in bounds]
+    times: list[list[float]] = [[] for _ in runs]
     for r in range(rounds):
         share = iterations // rounds + (r < iterations % rounds)
-        for bound, took in zip(bounds, times):
+        for run, took in zip(runs, times):
             for _ in range(share):
                 begin = time.perf_counter()
-                model.run(bound)
+                run()
                 took.append(time.perf_counter() - begin)
     return [median(took) * 1000 for took in times]
 
@@ -91,6 +102,79 @@ def micro_benchmark(
         weight_bytes=weight_bytes,
         floor_ms=round(floor_ms, 2),
         iterations=iterations,
+        calls=calls,
+    )
+
+
+def head_feeds(manifest, spec, head_graph) -> dict[str, np.ndarray]:
+    """Inputs of one head call of ``spec``: every row live, ending at TIMED_POSITION as the target's timed calls."""
+    rng = np.random.default_rng(0)
+    rows, seq = spec.batch_size, spec.seq_len
+    hidden = rng.standard_normal((rows, seq, manifest.hidden_size)).astype(np.float32)  # [rows, seq_len, hidden]
+    if manifest.method != "eagle":
+        return {contract.HIDDEN_STATES: hidden}
+    start = max(0, min(TIMED_POSITION, spec.ctx_len) - seq)
+    feeds = {
+        contract.INPUT_IDS: np.ones((rows, seq), np.int64),
+        contract.POSITION_IDS: np.tile(np.arange(start, start + seq, dtype=np.int64), (rows, 1)),
+        contract.HIDDEN_STATES: hidden,
+    }
+    if head_graph.batch_index:
+        feeds[contract.BATCH_INDEX] = np.arange(rows, dtype=np.int64)[:, None]
+    return feeds
+
+
+def head_shape_name(manifest, index: int, spec) -> str:
+    """``prefill``, ``seq_len=1`` (EAGLE's chain step and one-pair catch-up), ``seq_len=5`` (a catch-up
+    width), or ``batch=4`` (Medusa)."""
+    if manifest.method != "eagle":
+        return f"batch={spec.batch_size}"
+    return "prefill" if index == 0 else f"seq_len={spec.seq_len}"
+
+
+def head_micro_benchmark(
+    package,
+    iterations: int,
+    bandwidth: float,
+    *,
+    batch: int,
+    weight_format: str,
+    target: MicroPackage | None = None,
+    num_threads: int | None = None,
+) -> MicroHead:
+    """One row per specialization of ``package``'s draft head, the way the runtime runs it (its own session, its
+    KV bound in place), beside ``target``'s K=0 call (the package's micro-benchmark) when given."""
+    from qspec.heads.manifest import read_head_manifest
+    from qspec.runtime.heads import HeadGraph
+
+    manifest = read_head_manifest(package)
+    rows = manifest.full_batch_size or 1
+    kv = (manifest.num_kv_heads, manifest.ctx_len, manifest.head_dim) if manifest.method == "eagle" else None
+    graph = HeadGraph(manifest.path(package, manifest.runtime_graph), rows=rows, kv=kv, num_threads=num_threads)
+    specs = list(manifest.specializations)
+    feeds = [head_feeds(manifest, spec, graph) for spec in specs]
+    timed = time_runs([lambda f=f: graph.run(f) for f in feeds], iterations)
+    floor_ms = manifest.runtime_graph_bytes / bandwidth * 1000
+    calls = [
+        MicroCall(
+            specialization=head_shape_name(manifest, i, spec),
+            shape=spec.describe(),
+            median_ms=round(ms, 3),
+            tokens_per_call=spec.batch_size * spec.seq_len,
+            ratio_to_floor=round(ms / floor_ms, 2) if floor_ms else 0.0,
+        )
+        for i, (spec, ms) in enumerate(zip(specs, timed))
+    ]
+    k0 = next((c.median_ms for c in target.calls if c.specialization.split("@")[0] == "K=0"), None) if target else None
+    return MicroHead(
+        batch=batch,
+        weight_format=weight_format,
+        method=manifest.method,
+        package=str(package),
+        weight_bytes=manifest.runtime_graph_bytes,
+        floor_ms=round(floor_ms, 3),
+        iterations=iterations,
+        target_k0_ms=k0,
         calls=calls,
     )
 

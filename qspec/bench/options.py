@@ -10,9 +10,11 @@ from pydantic import Field, field_validator, model_validator
 from qspec.common import FrozenModel
 from qspec.errors import ConfigError
 from qspec.package import WeightFormat
+from qspec.runtime.proposers import HEAD_METHODS
 from qspec.specializations import parse_num_speculative_tokens
 
 SPECULATIVE_METHODS = ("pld", "suffix", "draft")
+# HEAD_METHODS (eagle, medusa, eagle+pld, medusa+pld): the target package's draft head (``draft_head``)
 WEIGHT_FORMATS = ("fp32", "int8", "int4")  # qspec compile --weight-format
 DEFAULT_PREFILL_CHUNK_SIZES = (16, 32, 64, 128, 256)
 
@@ -58,6 +60,9 @@ class BenchOptions(FrozenModel):
     comp_ctx_lengths_prefill: str | None = "256"
     comp_ctx_lengths_decode: str | None = "256,512"
     draft_package: Path | None = None
+    # A draft head checkpoint (EAGLE-1, Medusa, turbo) compiled into every package the bench compiles
+    # (qspec compile --draft-head); its method and its +pld combination run where pld runs.
+    draft_head: Path | None = None
     num_threads: int | None = Field(default=None, ge=1)
     packages_dir: Path | None = None  # None: <qspec cache>/bench-packages
     dispatch: Literal["auto", "cover", "cost"] = "auto"  # how speculative configurations pick K
@@ -87,9 +92,11 @@ class BenchOptions(FrozenModel):
     def _parse_methods(cls, value: Any) -> tuple[str, ...]:
         names = [m.strip() for m in value.split(",")] if isinstance(value, str) else list(value)
         names = [m for m in names if m and m != "none"]  # none always runs
-        unknown = sorted(set(names) - set(SPECULATIVE_METHODS))
+        unknown = sorted(set(names) - set(SPECULATIVE_METHODS) - set(HEAD_METHODS))
         if unknown:
-            raise ValueError(f"methods {unknown}: choose from none, {', '.join(SPECULATIVE_METHODS)}")
+            raise ValueError(
+                f"methods {unknown}: choose from none, {', '.join(SPECULATIVE_METHODS)}, {', '.join(HEAD_METHODS)}"
+            )
         return tuple(dict.fromkeys(names))
 
     @field_validator("weight_formats", mode="before")
@@ -128,7 +135,17 @@ class BenchOptions(FrozenModel):
             raise ValueError("method draft needs draft_package (compile one with `qspec compile --num-layers N`)")
         if self.draft_package is not None and "draft" not in self.methods:
             raise ValueError(f"draft_package {self.draft_package} is given but methods {list(self.methods)} omit draft")
+        if self.draft_head is not None and not self.head_methods:
+            raise ValueError(
+                f"draft_head {self.draft_head} is given but methods {list(self.methods)} name no head method "
+                f"({', '.join(HEAD_METHODS)})"
+            )
         return self
+
+    @property
+    def head_methods(self) -> tuple[str, ...]:
+        """The methods that read a draft head (eagle, medusa, and their +pld combinations)."""
+        return tuple(m for m in self.methods if m in HEAD_METHODS)
 
     @property
     def longest_prefill_chunk(self) -> int:
@@ -171,16 +188,35 @@ def full_options(**overrides: Any) -> BenchOptions:
     return BenchOptions.create(**(preset | overrides))
 
 
+def head_method(layout: str) -> str:
+    """The runtime method of a head layout: ``eagle``, or ``medusa`` (Medusa's and QEfficient's turbo layout)."""
+    return "eagle" if layout == "eagle" else "medusa"
+
+
+def methods_of_head(head_dir: str | Path) -> tuple[str, str]:
+    """The head's method and its ``+pld`` combination, from the checkpoint's layout: ``("eagle", "eagle+pld")``."""
+    from qspec.heads.modules import detect_layout  # reads the folder's files; imports torch
+
+    method = head_method(detect_layout(head_dir))
+    return method, f"{method}+pld"
+
+
 def bench_options(*, full: bool = False, **given: Any) -> BenchOptions:
     """Options from what a user gave (``qspec bench`` flags) on top of a preset.
 
     ``None`` means "not given": the preset's value. ``per_category=0`` means every prompt. A
-    ``draft_package`` without ``methods`` adds ``draft`` to the default methods.
+    ``draft_package`` without ``methods`` adds ``draft`` to the default methods; a ``draft_head``
+    without ``methods`` adds the head's method and its ``+pld`` combination (:func:`methods_of_head`).
     """
     overrides = {key: value for key, value in given.items() if value is not None}
     for key in ("per_category", "batch_per_category"):
         if overrides.get(key) == 0:
             overrides[key] = None
-    if "draft_package" in overrides and "methods" not in overrides:
-        overrides["methods"] = SPECULATIVE_METHODS
+    if "methods" not in overrides:
+        methods = SPECULATIVE_METHODS if "draft_package" in overrides else None
+        if "draft_head" in overrides:
+            default = (full_options if full else quick_options)().methods
+            methods = (*(methods or default), *methods_of_head(overrides["draft_head"]))
+        if methods is not None:
+            overrides["methods"] = methods
     return (full_options if full else quick_options)(**overrides)

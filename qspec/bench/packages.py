@@ -57,6 +57,53 @@ def _given_package(given: Path, options: BenchOptions) -> tuple[BenchOptions, in
     return options, rows, source, notes
 
 
+def _given_head_methods(given: Path, options: BenchOptions) -> tuple[BenchOptions, list[str]]:
+    """A given package's head runs its method and ``+pld`` (added when no head method was asked for)."""
+    from qspec.heads.manifest import has_head, read_head_manifest
+
+    if options.draft_head is not None:
+        raise ConfigError(
+            f"--draft-head {options.draft_head} applies to a model the bench compiles; {given} is compiled: "
+            "recompile it with `qspec compile ... --draft-head DIR` or give the model instead"
+        )
+    asked = options.head_methods
+    if not has_head(given):
+        if asked:
+            raise ConfigError(
+                f"methods {list(asked)} need a draft head and {given} has none; recompile it with "
+                "`qspec compile ... --draft-head DIR` or drop them from --methods"
+            )
+        return options, []
+    method = read_head_manifest(given).method
+    wrong = [m for m in asked if m.removesuffix("+pld") != method]
+    if wrong:
+        raise ConfigError(f"{given}'s draft head is {method}: methods {wrong} cannot run; use {method}, {method}+pld")
+    if asked:
+        return options, []
+    methods = (*options.methods, method, f"{method}+pld")
+    note = f"the package holds a {method} head: {method} and {method}+pld run beside {', '.join(options.methods)}"
+    return options.model_copy(update={"methods": methods}), [note]
+
+
+def _check_draft_head(options: BenchOptions) -> None:
+    """Head methods need ``--draft-head`` (a model the bench compiles), and the head's own method."""
+    asked = options.head_methods
+    if asked and options.draft_head is None:
+        raise ConfigError(
+            f"methods {list(asked)} need --draft-head HEAD_DIR (a head checkpoint the bench compiles into its packages)"
+        )
+    if options.draft_head is None:
+        return
+    from qspec.bench.options import methods_of_head
+
+    method, _ = methods_of_head(options.draft_head)
+    wrong = [m for m in asked if m.removesuffix("+pld") != method]
+    if wrong:
+        raise ConfigError(
+            f"the draft head {options.draft_head} is {method}: methods {wrong} cannot run; use {method}, {method}+pld"
+        )
+
+
 def _check_baselines(source: str | None) -> None:
     if source is None:
         raise ConfigError(
@@ -90,11 +137,14 @@ def resolve_model(model: str, options: BenchOptions) -> ResolvedModel:
     packages = None
     if given.is_dir() and _is_package(given):
         options, rows, source, notes = _given_package(given, options)
+        options, head_notes = _given_head_methods(given, options)
+        notes += head_notes
         packages = (options.primary_format, rows, given)
     else:
         from qspec.export.loader import resolve_source
 
         resolve_source(model)  # a clear error for a path that is no model
+        _check_draft_head(options)
         source = model
     if options.baselines:
         _check_baselines(source)
@@ -102,20 +152,39 @@ def resolve_model(model: str, options: BenchOptions) -> ResolvedModel:
     return ResolvedModel(options, packages, source, draft_slots, tuple(notes + draft_notes))
 
 
-def package_name(model: str, batch: int, ks: Sequence[int], options: BenchOptions, weight_format: str = "fp32") -> str:
-    """``smollm2-b1-k0_4-ctx1024-p32``, ``smollm2-int4-b1-...``: what a bench package is cached as."""
+def package_name(
+    model: str,
+    batch: int,
+    ks: Sequence[int],
+    options: BenchOptions,
+    weight_format: str = "fp32",
+) -> str:
+    """``smollm2-b1-k0_4-ctx1024-p32``, ``smollm2-int4-b1-...``: what a bench package is cached as; with
+    ``options.draft_head`` ``...-head<digest>``, so a head-less package and packages with different heads
+    never share a folder."""
     stem = Path(str(model).rstrip("/")).name.removesuffix(".gguf")
     weights = f"-{weight_format}" if weight_format != "fp32" else ""
     name = f"{stem}{weights}-b{batch}-k{'_'.join(map(str, ks))}-ctx{options.ctx_len}-p{options.prefill_seq_len}"
     for tag, buckets in (("cp", options.comp_ctx_lengths_prefill), ("cd", options.comp_ctx_lengths_decode)):
         name += f"-{tag}{buckets.replace(',', '_')}" if buckets else ""
+    if options.draft_head is not None:
+        from qspec.heads.package import head_digest
+
+        name += f"-head{head_digest(options.draft_head)[:12]}"
     return name
 
 
 def compile_for(
-    model: str, batch: int, ks: Sequence[int], options: BenchOptions, root: Path, weight_format: str = "fp32"
+    model: str,
+    batch: int,
+    ks: Sequence[int],
+    options: BenchOptions,
+    root: Path,
+    weight_format: str = "fp32",
 ) -> Path:
-    """A package for ``batch`` with ``ks`` (continuous batching above batch 1), reused when unchanged."""
+    """A package for ``batch`` with ``ks`` (continuous batching above batch 1), reused when unchanged, with
+    ``options.draft_head`` compiled in (the K=0 package of the memory comparison too: its graph then has
+    the same ``hidden_states`` output, only the specializations differ)."""
     from qspec.compile import CompileOptions, compile_package
     from qspec.specializations import make_config
 
@@ -128,7 +197,8 @@ def compile_for(
         comp_ctx_lengths_decode=options.comp_ctx_lengths_decode or None,
     )
     output = root / package_name(model, batch, ks, options, weight_format)
-    compile_options = CompileOptions.create(specialization=spec, weight_format=weight_format)
+    head = str(options.draft_head) if options.draft_head is not None else None
+    compile_options = CompileOptions.create(specialization=spec, weight_format=weight_format, draft_head=head)
     folder, _, _ = compile_package(model, compile_options, output=output)
     return folder
 

@@ -119,6 +119,35 @@ def _configs(report: BenchReport) -> list[str]:
     return ["", "## Per configuration", ""] + _table(header, rows)
 
 
+def _acceptance(report: BenchReport) -> list[str]:
+    """Mean acceptance length and the acceptance rate per draft position of every configuration that drafted."""
+    drafted = [s for s in report.configs if s.overall.reached_per_position and any(s.overall.reached_per_position)]
+    if not drafted:
+        return []
+    depth = max(len(s.overall.reached_per_position) for s in drafted)
+    lines = [
+        "",
+        "## Acceptance per draft position",
+        "",
+        "Tokens per call: the mean acceptance length, accepted drafts + 1 per target call (every call; per drafted "
+        "call: the calls that verified at least one draft). Draft i: of the calls that reached draft i (proposed "
+        "at least i drafts, the first i - 1 accepted), the share that accepted it, and (in brackets) how many "
+        "calls reached it.",
+        "",
+    ]
+    rows = []
+    for s in drafted:
+        o = s.overall
+        cells = [
+            f"{rate:.2f} ({reached})" if rate is not None else f"– ({reached})"
+            for rate, reached in zip(o.acceptance_per_position, o.reached_per_position)
+        ]
+        cells += ["–"] * (depth - len(cells))
+        rows.append([s.key, o.mean_accepted_tokens, _fmt(o.tokens_per_drafted_call), o.acceptance_rate, *cells])
+    header = ["config@batch", "tokens/call", "tokens/drafted call", "acceptance"]
+    return lines + _table(header + [f"draft {i + 1}" for i in range(depth)], rows)
+
+
 def _categories(report: BenchReport, batch: int) -> list[str]:
     group = [s for s in report.configs if s.batch == batch]
     categories = sorted({c for s in group for c in s.per_category})
@@ -165,7 +194,41 @@ def _micro(report: BenchReport) -> list[str]:
     ]
     header = ["weights", "graph", "batch", "specialization", "shape", "tokens/call", "median ms"]
     header += ["floor ms (bytes)", "x floor"]
-    return lines + _table(header, rows) + _prefill_chunks(micro)
+    return lines + _table(header, rows) + _head_calls(micro) + _prefill_chunks(micro)
+
+
+def _head_calls(micro) -> list[str]:
+    """One call per specialization of each package's draft head, against the target's K=0 call."""
+    if not micro.heads:
+        return []
+    lines = [
+        "",
+        "## Draft head calls",
+        "",
+        "One call per specialization of each package's draft head in its own ONNX Runtime session, as the runtime "
+        "runs it. EAGLE: a step drafting d tokens costs one catch-up call (its width: the pairs since the last "
+        "step, up to K + 1) and d - 1 chained `seq_len=1` calls; Medusa: one call per step whatever d. x target "
+        "K=0: the head call against the same package's cheapest decode call.",
+        "",
+    ]
+    rows = [
+        [
+            h.weight_format,
+            h.batch,
+            h.method,
+            c.specialization,
+            c.shape,
+            _fmt(c.median_ms, 3),
+            _fmt(h.target_k0_ms),
+            _fmt(c.median_ms / h.target_k0_ms if h.target_k0_ms else None, 3),
+            f"{h.floor_ms} ({h.weight_bytes / 1e6:.1f} MB)",
+            c.ratio_to_floor,
+        ]
+        for h in micro.heads
+        for c in h.calls
+    ]
+    header = ["weights", "batch", "head", "specialization", "shape", "median ms", "target K=0 ms", "x target K=0"]
+    return lines + _table(header + ["floor ms (bytes)", "x floor"], rows)
 
 
 def _prefill_chunks(micro) -> list[str]:
@@ -254,11 +317,21 @@ def _ceilings(report: BenchReport) -> list[str]:
         "decode ms per token over the configuration's, first turns; captured: (measured - 1) / (ceiling - 1). The "
         "prices are the micro-benchmark's (positions up to 255), not each call's own, so a dispatch can land a "
         "little above its ceiling.",
-        "",
     ]
+    if any(c.replay == "hidden states" for c in report.ceilings):
+        lines.append(
+            "Head rows (replay: hidden states): the head proposer is fed the target's hidden states along `none`'s "
+            "output, computed by prefill calls over prompt and output, not by the run's verify calls (float sums in "
+            "another order: a near-tie of the head's argmax can flip, so the replayed drafts can differ a little "
+            "from the run's); the oracle also pays the head's calls at the micro-benchmark's prices (EAGLE one "
+            "one-token call per draft, its catch-up priced as one; Medusa one call per drafting step; lookup's "
+            "drafts of `+pld` free)."
+        )
+    lines.append("")
     rows = [
         [
             c.key,
+            c.replay,
             c.weight_format,
             c.positions,
             c.drafted_positions,
@@ -271,6 +344,7 @@ def _ceilings(report: BenchReport) -> list[str]:
     ]
     header = [
         "config@batch",
+        "replay",
         "weights",
         "positions",
         "with drafts",
@@ -374,8 +448,8 @@ def _peers(report: BenchReport) -> list[str]:
 
 def render_markdown(report: BenchReport) -> str:
     """``report.md``: the tables of the report."""
-    lines = _header(report) + _equality(report) + _configs(report) + _formats(report) + _ceilings(report)
-    lines += _peers(report)
+    lines = _header(report) + _equality(report) + _configs(report) + _acceptance(report) + _formats(report)
+    lines += _ceilings(report) + _peers(report)
     for batch in report.meta.options.batch_sizes:
         lines += _categories(report, batch)
     return "\n".join(lines + _micro(report) + _memory(report)) + "\n"

@@ -41,8 +41,19 @@ class Overall(ReportModel):
     accepted: int
     sequence_calls: int
     calls: dict[str, int]  # "prefill" and one entry per K (a baseline: "forward")
+    # Per draft position (qspec.runtime.metrics); empty where the runtime does not say (a baseline)
+    reached_per_position: list[int] = []
+    accepted_per_position: list[int] = []
+    acceptance_per_position: list[float | None] = []
     ratio_to_none: float | None = None  # requests/s against none at the same batch size
     peak_rss_mb: float | None = None
+
+    @property
+    def tokens_per_drafted_call(self) -> float | None:
+        """Mean acceptance length over the calls that verified at least one draft: accepted drafts / those
+        calls + 1 (None without per-position counts)."""
+        drafted = self.reached_per_position[0] if self.reached_per_position else 0
+        return round(self.accepted / drafted + 1, 4) if drafted else None
 
     @classmethod
     def from_metrics(cls, metrics: EngineMetrics, *, proposals_known: bool = True) -> Overall:
@@ -109,6 +120,21 @@ class MicroPackage(ReportModel):
     calls: list[MicroCall]
 
 
+class MicroHead(ReportModel):
+    """One call per specialization of a package's draft head (EAGLE: prefill, the one-token chain step and
+    each catch-up width; Medusa: each batch size), beside the target's cheapest decode call of that package."""
+
+    batch: int  # the package's max batch size
+    weight_format: str
+    method: str  # eagle, medusa
+    package: str
+    weight_bytes: int  # the head's runtime graph
+    floor_ms: float
+    iterations: int
+    target_k0_ms: float | None  # the package's K=0 call (smallest bucket) in the same micro-benchmark
+    calls: list[MicroCall]
+
+
 class PrefillChunk(ReportModel):
     """Time to first token with prompts prefilled in chunks of ``prefill_seq_len`` tokens (batch 1)."""
 
@@ -125,6 +151,7 @@ class MicroReport(ReportModel):
     prefill: list[PrefillChunk] = []
     prefill_prompts: int = 0  # prompts per chunk size and round
     prefill_rounds: int = 0
+    heads: list[MicroHead] = []  # packages with a draft head
 
 
 class MemoryProbe(ReportModel):
@@ -150,6 +177,9 @@ class CeilingRow(ReportModel):
     oracle_x_none: float  # the ceiling: none's decode time over the oracle's, at micro-benchmark prices
     measured_x_none: float  # none's decode ms per token over the configuration's (the same requests)
     captured: float | None  # (measured - 1) / (ceiling - 1): the share of the possible gain taken
+    # "tokens": a lookup proposer replayed on tokens; "hidden states": a draft head replayed on the target's
+    # hidden states along none's output, its calls priced by the micro-benchmark (qspec.bench.ceiling)
+    replay: Literal["tokens", "hidden states"] = "tokens"
 
 
 class MemoryReport(ReportModel):

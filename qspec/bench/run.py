@@ -11,15 +11,15 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import psutil
 
 from qspec.bench.analysis import Collected, contention_notes, equality_checks, summarize, with_ratios
-from qspec.bench.ceiling import ceilings
+from qspec.bench.ceiling import HeadReplay, ceilings, head_replays_of
 from qspec.bench.machine import CpuMeter, copy_bandwidth, cpu_name, machine_versions, usable_cores
 from qspec.bench.memory import run_memory
-from qspec.bench.micro import micro_benchmark, prefill_sweep
+from qspec.bench.micro import head_micro_benchmark, micro_benchmark, prefill_sweep
 from qspec.bench.options import BenchOptions, quick_options
 from qspec.bench.packages import Packages, ResolvedModel, compile_packages, package_count, resolve_model
 from qspec.bench.peers import PeerPlan, PeerUnavailable, plan_peers
@@ -27,6 +27,7 @@ from qspec.bench.plan import TRANSFORMERS, Progress, RunConfig, Steps, none_conf
 from qspec.bench.report import BenchReport, MachineInfo, MemoryReport, Meta, MicroReport, RunnerInfo, Skipped
 from qspec.bench.runners import QspecRunner, Runner, TransformersRunner
 from qspec.errors import ConfigError
+from qspec.heads.manifest import has_head
 from qspec.prompts import PromptRecord, default_prompts_path, load_prompts
 
 Request = tuple[str, str, list[int]]  # (request id, category, prompt token ids)
@@ -139,9 +140,23 @@ def run_micro(
     bandwidth = copy_bandwidth()
     packages = []
     prefill = []
+    heads = []
     for (weight_format, batch), model in models.items():
         steps.say(f"micro-benchmark, {weight_format} batch {batch}")
         packages.append(micro_benchmark(model, iterations, bandwidth, batch=batch, weight_format=weight_format))
+        if has_head(model.package):
+            steps.say(f"micro-benchmark, {weight_format} batch {batch}: the draft head")
+            heads.append(
+                head_micro_benchmark(
+                    model.package,
+                    iterations,
+                    bandwidth,
+                    batch=batch,
+                    weight_format=weight_format,
+                    target=packages[-1],
+                    num_threads=options.num_threads,
+                )
+            )
         if weight_format == "fp32" and batch == 1 and len(model.decode_buckets) > 1:
             # The buckets bound what the vendor graph's attention reads; the runtime graph's
             # GroupQueryAttention reads only up to each row's position whatever the bucket.
@@ -169,6 +184,7 @@ def run_micro(
         prefill=prefill,
         prefill_prompts=len(prompts) if prefill else 0,
         prefill_rounds=rounds if prefill else 0,
+        heads=heads,
     )
 
 
@@ -259,6 +275,7 @@ class Measured:
     baseline_peaks: dict[str, float | None]  # backend -> peak RSS MB of its process
     skipped: list[Skipped]  # peers that could not start
     first_turns: dict[str, list[int]]  # prompt id -> its first turn's token ids
+    head_replays: dict[str, dict[str, HeadReplay]] = field(default_factory=dict)  # config key -> its replay
 
 
 def _measure(plan: BenchPlan, packages: Packages, steps: Steps, laps: Laps) -> Measured:
@@ -285,6 +302,12 @@ def _measure(plan: BenchPlan, packages: Packages, steps: Steps, laps: Laps) -> M
         assert not missing, f"configurations without a runner: {missing}"
         collected = run_timed(plan, runners, qspec.encode_chat, steps)
         laps.lap("timed_rounds_s")
+        prompts = {p.id: list(tokens) for p, tokens in zip(plan.prompts, first_turns)}
+        head_replays = {}
+        if options.head_methods:
+            steps.say("replaying the draft heads along none's outputs (the speculation ceiling)")
+            head_replays = head_replays_of(plan.configs, qspec.models, collected, prompts, micro)
+            laps.lap("head_replay_s")
         peaks = {r.backend: r.stop() for r in baselines}
     finally:
         for runner in baselines:
@@ -303,8 +326,7 @@ def _measure(plan: BenchPlan, packages: Packages, steps: Steps, laps: Laps) -> M
         )
     laps.lap("memory_s")
     runner_info = {backend: i for backend, i in info.items() if i is not None}
-    prompts = {p.id: list(tokens) for p, tokens in zip(plan.prompts, first_turns)}
-    return Measured(collected, micro, memory, runner_info, peaks, skipped, prompts)
+    return Measured(collected, micro, memory, runner_info, peaks, skipped, prompts, head_replays)
 
 
 def _peak_rss(config: RunConfig, measured: Measured) -> float | None:
@@ -360,7 +382,7 @@ def build_report(
         memory=measured.memory,
         equality=equality_checks(collected),
         outputs={key: c.tokens() for key, c in collected.items()},
-        ceilings=ceilings(collected, measured.first_turns, measured.micro),
+        ceilings=ceilings(collected, measured.first_turns, measured.micro, measured.head_replays),
     )
 
 

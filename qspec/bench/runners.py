@@ -113,6 +113,7 @@ class QspecRunner(Runner):
                     num_speculative_tokens=list(config.ks),
                     dispatch=self.dispatch,
                     model=model,
+                    num_threads=self.num_threads,  # the model is loaded: only a draft head reads it
                     **engine_knobs(config.method, self.draft_package),
                 )
             steps.step(f"{weight_format} batch {batch} engines ready")

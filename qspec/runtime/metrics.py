@@ -3,6 +3,10 @@
 - TTFT: arrival to first token; TPOT: ms per output token after the first;
 - mean accepted tokens per target call: accepted drafts + 1 (the bonus), averaged over a sequence's
   decode calls; acceptance rate: accepted drafts / proposed drafts;
+- acceptance per draft position: position i's rate is the share of the calls that reached draft i
+  (proposed at least i drafts and had the first i - 1 accepted) whose draft i was accepted. Two calls,
+  3 drafts with 1 accepted and 2 drafts with 2 accepted: reached ``[2, 2, 0]``, accepted ``[2, 1, 0]``,
+  rates ``[1.0, 0.5, None]`` (:func:`acceptance_per_position`);
 - calls per K: decode calls of each compiled specialization.
 """
 
@@ -11,6 +15,33 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from statistics import mean, median
 from typing import Any
+
+
+def count_positions(reached: list[int], accepted_at: list[int], *, proposed: int, accepted: int) -> None:
+    """Add one call that proposed ``proposed`` drafts and had ``accepted`` of them accepted to the per-position
+    counts (in place, grown to ``proposed`` positions): it reached drafts ``1 .. min(accepted + 1, proposed)``
+    and accepted drafts ``1 .. accepted``."""
+    assert 0 <= accepted <= proposed, f"accepted {accepted} of {proposed} proposed drafts"
+    for counts in (reached, accepted_at):
+        counts.extend([0] * (proposed - len(counts)))
+    for i in range(min(accepted + 1, proposed)):
+        reached[i] += 1
+    for i in range(accepted):
+        accepted_at[i] += 1
+
+
+def sum_positions(lists: list[list[int]]) -> list[int]:
+    """Element-wise sum of per-position counts of different lengths: ``[[2, 1], [1]] -> [3, 1]``."""
+    total = [0] * max((len(counts) for counts in lists), default=0)
+    for counts in lists:
+        for i, value in enumerate(counts):
+            total[i] += value
+    return total
+
+
+def acceptance_per_position(reached: list[int], accepted_at: list[int]) -> list[float | None]:
+    """Position i's acceptance rate: accepted / reached (None where no call reached it)."""
+    return [round(a / r, 4) if r else None for r, a in zip(reached, accepted_at)]
 
 
 @dataclass
@@ -25,6 +56,9 @@ class RequestMetrics:
     proposed: int = 0
     accepted: int = 0
     calls_per_k: dict[int, int] = field(default_factory=dict)
+    # index i - 1: calls that reached draft i (proposed >= i, the first i - 1 accepted); calls that accepted it
+    reached_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
 
     def first_token(self, now: float) -> None:
         self.first_token_time = now
@@ -34,6 +68,7 @@ class RequestMetrics:
         self.proposed += proposed
         self.accepted += accepted
         self.calls_per_k[k] = self.calls_per_k.get(k, 0) + 1
+        count_positions(self.reached_per_position, self.accepted_per_position, proposed=proposed, accepted=accepted)
 
     def finish(self, now: float, output_tokens: int) -> None:
         self.finish_time = now
@@ -73,6 +108,8 @@ class RequestMetrics:
             "acceptance_rate": round(self.acceptance_rate, 4),
             "mean_accepted_tokens": round(self.mean_accepted_tokens, 4),
             "calls_per_k": {str(k): v for k, v in sorted(self.calls_per_k.items())},
+            "reached_per_position": list(self.reached_per_position),
+            "accepted_per_position": list(self.accepted_per_position),
         }
 
 
@@ -95,6 +132,10 @@ class EngineMetrics:
     accepted: int
     sequence_calls: int  # (sequence, decode call) pairs
     calls: dict[str, int]  # engine calls: "prefill" and one entry per K
+    # Per draft position (see the module doc); empty when nothing was proposed.
+    reached_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    acceptance_per_position: list[float | None] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -106,6 +147,8 @@ def aggregate(metrics: list[RequestMetrics], wall_s: float, calls: dict) -> Engi
     proposed = sum(m.proposed for m in metrics)
     accepted = sum(m.accepted for m in metrics)
     seq_calls = sum(m.target_calls for m in metrics)
+    reached = sum_positions([m.reached_per_position for m in metrics])
+    accepted_at = sum_positions([m.accepted_per_position for m in metrics])
     ttft = [m.ttft_s * 1000 for m in metrics] or [0.0]
     tpot = [m.tpot_s * 1000 for m in metrics if m.output_tokens > 1] or [0.0]
     return EngineMetrics(
@@ -124,4 +167,7 @@ def aggregate(metrics: list[RequestMetrics], wall_s: float, calls: dict) -> Engi
         accepted=accepted,
         sequence_calls=seq_calls,
         calls={str(k): v for k, v in calls.items()},
+        reached_per_position=reached,
+        accepted_per_position=accepted_at,
+        acceptance_per_position=acceptance_per_position(reached, accepted_at),
     )
