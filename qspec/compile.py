@@ -275,7 +275,6 @@ def compile_package(
             specializations=specs,
             spec_format=options.spec_format,
             backend=options.backend,
-            weight_format=options.weight_format,
             runtime_graph=runtime_graph,
             ort_checks=checks,
             qaic=qaic,
