@@ -21,7 +21,7 @@ from pydantic import Field, model_validator
 from qspec import __version__, contract
 from qspec.backends.qaic import QaicOptions, prepare_qaic
 from qspec.common import FrozenModel
-from qspec.errors import QSpecError
+from qspec.errors import CompileError, QSpecError
 from qspec.package import (
     MANIFEST,
     ONNX_FILE,
@@ -296,7 +296,11 @@ def _import_runtime_graph_tools() -> None:
 
 
 def check_ort(onnx_path: Path, specs, vocab_size: int, *, progress: Progress) -> list[SessionCheck]:
-    """Load and run one static-shape session per specialization, one at a time; any failure raises."""
+    """Load and run one static-shape session per specialization, one at a time.
+
+    A specialization that does not load or run, or whose logits have another shape or are not finite, raises
+    a one-line CompileError that names it.
+    """
     from qspec.backends import ort as ort_backend
 
     checks = []
@@ -307,11 +311,15 @@ def check_ort(onnx_path: Path, specs, vocab_size: int, *, progress: Progress) ->
         loaded = time.perf_counter() - begin
         ort_backend.check_static(session, spec)
         begin = time.perf_counter()
-        ort_backend.smoke_run(session, spec, vocab_size)
+        try:
+            ort_backend.smoke_run(session, spec, vocab_size)
+        except CompileError:
+            raise
+        except Exception as exc:  # ORT raises plain RuntimeErrors / Fail, several lines long
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise CompileError(f"ONNX Runtime could not run specialization {spec.describe()}: {first}") from exc
         ran = time.perf_counter() - begin
-        checks.append(
-            SessionCheck(specialization=spec, ok=True, load_seconds=round(loaded, 2), run_ms=round(ran * 1000, 1))
-        )
+        checks.append(SessionCheck(specialization=spec, load_seconds=round(loaded, 2), run_ms=round(ran * 1000, 1)))
         del session
     return checks
 

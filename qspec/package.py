@@ -139,14 +139,20 @@ class RuntimeGraph(BaseModel):
 
 
 class SessionCheck(BaseModel):
-    """One specialization's ONNX Runtime check at compile time."""
+    """One specialization's ONNX Runtime check at compile time, which it passed: a specialization that does
+    not load or run, or gives logits of another shape, fails the compile (:func:`qspec.compile.check_ort`)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     specialization: Specialization
-    ok: bool
     load_seconds: float
     run_ms: float
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_older_manifests(cls, data: Any) -> Any:
+        # Older manifests recorded `ok`, always true: a failed check never reached a manifest.
+        return without_keys(data, "ok")
 
 
 class Manifest(BaseModel):
