@@ -14,14 +14,16 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import Field, model_validator
 
 from qspec import __version__, contract
-from qspec.backends.qaic import QaicOptions, prepare_qaic
+from qspec.backends.qaic import QaicOptions, QaicResult, prepare_qaic
 from qspec.common import FrozenModel
-from qspec.errors import QSpecError
+from qspec.errors import CompileError, QSpecError
 from qspec.package import (
     MANIFEST,
     ONNX_FILE,
@@ -31,6 +33,7 @@ from qspec.package import (
     Backend,
     Manifest,
     ModelEntry,
+    RuntimeGraph,
     SessionCheck,
     WeightFormat,
     attention_slack,
@@ -42,11 +45,15 @@ from qspec.package import (
 )
 from qspec.spec_file import SpecFormat, write_specializations
 from qspec.specializations import (
+    Specialization,
     SpecializationConfig,
     build_specializations,
     ccl_notes,
     check_model_speculative_config,
 )
+
+if TYPE_CHECKING:
+    from qspec.export.exporter import ExportMeta
 
 Progress = Callable[[str], None]
 
@@ -156,6 +163,220 @@ def _head_digest(head_dir: str | None) -> str | None:
     return head_digest(head_dir)
 
 
+@dataclass(frozen=True)
+class _Exported:
+    """What the export phase hands on: the export folder and its record, the package's model entry, the
+    specializations to build and the warnings about them."""
+
+    folder: Path
+    meta: ExportMeta
+    entry: ModelEntry
+    specs: list[Specialization]
+    warnings: list[str]
+
+
+@dataclass(frozen=True)
+class _Graph:
+    """The runtime graph (backend ort): the cache folder holding its files, and how it was made."""
+
+    folder: Path
+    graph: RuntimeGraph
+
+
+def _reusable(target: Path, key: str) -> Manifest | None:
+    """The package at ``target`` when it was built from the same inputs and its runtime graph is there."""
+    if not (target / MANIFEST).is_file():
+        return None
+    try:
+        existing = read_manifest(target)
+    except QSpecError:
+        return None
+    if existing.inputs_key == key and (target / runtime_graph_file(existing)).is_file():
+        return existing
+    return None
+
+
+def _export(
+    model: str | os.PathLike[str],
+    options: CompileOptions,
+    config: SpecializationConfig,
+    *,
+    digest: str,
+    progress: Progress,
+) -> _Exported:
+    """Export the model (cached) in the graph variant ``config`` needs; build the specializations."""
+    from qspec.export import ExportOptions, export_model
+
+    export_options = ExportOptions(
+        continuous_batching=config.continuous_batching,
+        speculative=config.speculative,
+        comp_ctx_lengths=config.comp_ctx_lengths,
+        num_layers=options.num_layers,
+        hidden_states=options.exports_hidden_states,
+    )
+    if options.backend == "ort":  # while the export runs in its own process: the next step's imports (~3 s)
+        threading.Thread(target=_import_runtime_graph_tools, daemon=True).start()
+    folder, meta = export_model(model, export_options, progress=progress, digest=digest)
+    warnings = check_model_speculative_config(meta.model.speculative_config, config.num_speculative_tokens)
+    specs = build_specializations(config)
+    warnings += ccl_notes(config, specs)
+    entry = ModelEntry(
+        **meta.model.model_dump(),
+        source=meta.source,
+        digest=meta.digest,
+        export_key=meta.key,
+        continuous_batching=export_options.continuous_batching,
+        speculative=export_options.speculative,
+        comp_ctx_lengths=export_options.comp_ctx_lengths,
+        truncated_layers=options.num_layers,
+        hidden_states=options.exports_hidden_states,
+    )
+    return _Exported(folder, meta, entry, specs, warnings)
+
+
+def _runtime_graph(
+    exported: _Exported, options: CompileOptions, config: SpecializationConfig, *, progress: Progress
+) -> _Graph:
+    """The graph the embedded runtime loads (cached): fused, in the options' weight format, RoPE rows for
+    ``ctx_len`` and the longest call."""
+    from qspec.backends.ort_optimize import cached_runtime_graph
+
+    folder, graph = cached_runtime_graph(
+        exported.folder,
+        exported.meta.key,
+        options.weight_format,
+        progress=progress,
+        attention=exported.meta.model.attention,
+        positions=config.ctx_len + attention_slack(max(spec.seq_len for spec in exported.specs)),
+    )
+    return _Graph(folder, graph)
+
+
+def _write_files(folder: Path, exported: _Exported, graph: _Graph | None, spec_format: SpecFormat) -> None:
+    """The vendor graph, the runtime graph, the tokenizer and the specializations file."""
+    for path in sorted(exported.folder.glob(ONNX_FILE + "*")):
+        copy_file(path, folder / path.name)
+    if graph is not None:
+        for path in sorted(graph.folder.glob(ORT_ONNX_FILE + "*")):
+            copy_file(path, folder / path.name)
+    shutil.copytree(exported.folder / TOKENIZER_DIR, folder / TOKENIZER_DIR)
+    write_specializations(exported.specs, folder / SPECIALIZATIONS_FILE, fmt=spec_format)
+
+
+def _prepare_vendor(folder: Path, entry: ModelEntry, options: CompileOptions, *, progress: Progress) -> QaicResult:
+    """Backend qaic: custom_io.yaml and the qaic-compile command (run when the compiler is installed)."""
+    progress("preparing the qaic-compile command")
+    return prepare_qaic(
+        folder,
+        onnx_path=folder / ONNX_FILE,
+        specializations_path=folder / SPECIALIZATIONS_FILE,
+        num_layers=entry.num_layers,
+        options=options.qaic,
+        feature_outputs=(contract.HIDDEN_STATES,) if options.exports_hidden_states else (),
+    )
+
+
+def _check_or_prepare_vendor(
+    folder: Path, exported: _Exported, graph: _Graph | None, options: CompileOptions, *, progress: Progress
+) -> tuple[list[SessionCheck], QaicResult | None]:
+    """Backend ort: run every specialization of the runtime graph once (:func:`check_ort`); backend qaic:
+    the vendor files (:func:`_prepare_vendor`)."""
+    if graph is not None:
+        return check_ort(folder / graph.graph.file, exported.specs, exported.entry.vocab_size, progress=progress), None
+    return [], _prepare_vendor(folder, exported.entry, options, progress=progress)
+
+
+def _add_draft_head(
+    folder: Path, options: CompileOptions, config: SpecializationConfig, target_fingerprint: str, *, progress: Progress
+) -> None:
+    """The draft head's own graphs and manifest in ``PACKAGE/head/`` (:mod:`qspec.heads.package`)."""
+    from qspec.heads.package import compile_head
+
+    compile_head(
+        options.draft_head,
+        folder,
+        config=config,
+        target_fingerprint=target_fingerprint,
+        weight_format=options.weight_format,
+        backend=options.backend,
+        spec_format=options.spec_format,
+        qaic=options.qaic,
+        progress=progress,
+    )
+
+
+def _manifest(
+    key: str,
+    exported: _Exported,
+    options: CompileOptions,
+    config: SpecializationConfig,
+    graph: _Graph | None,
+    checks: list[SessionCheck],
+    qaic: QaicResult | None,
+    *,
+    start: float,
+) -> Manifest:
+    """The package's manifest: its inputs key, what was built from what, the checks, the versions."""
+    meta = exported.meta
+    return Manifest(
+        inputs_key=key,
+        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        model=exported.entry,
+        config=config,
+        specializations=exported.specs,
+        spec_format=options.spec_format,
+        backend=options.backend,
+        runtime_graph=graph.graph if graph is not None else None,
+        ort_checks=checks,
+        qaic=qaic,
+        versions={**meta.versions, "onnxruntime": _ort_version(), "export_seconds": str(meta.export_seconds)},
+        compile_seconds=round(time.perf_counter() - start, 2),
+        warnings=exported.warnings,
+    )
+
+
+def _import_runtime_graph_tools() -> None:
+    import onnx_ir  # noqa: F401
+    import onnxscript.rewriter.ort_fusions  # noqa: F401
+
+    import qspec.backends.ort_optimize  # noqa: F401
+
+
+def check_ort(onnx_path: Path, specs, vocab_size: int, *, progress: Progress) -> list[SessionCheck]:
+    """Load and run one static-shape session per specialization, one at a time.
+
+    A specialization that does not load or run, or whose logits have another shape or are not finite, raises
+    a one-line CompileError that names it.
+    """
+    from qspec.backends import ort as ort_backend
+
+    checks = []
+    for spec in specs:
+        progress(f"checking a static session for {spec.describe()}")
+        begin = time.perf_counter()
+        session = ort_backend.create_session(onnx_path, spec, prepack=False)
+        loaded = time.perf_counter() - begin
+        ort_backend.check_static(session, spec)
+        begin = time.perf_counter()
+        try:
+            ort_backend.smoke_run(session, spec, vocab_size)
+        except CompileError:
+            raise
+        except Exception as exc:  # ORT raises plain RuntimeErrors / Fail, several lines long
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise CompileError(f"ONNX Runtime could not run specialization {spec.describe()}: {first}") from exc
+        ran = time.perf_counter() - begin
+        checks.append(SessionCheck(specialization=spec, load_seconds=round(loaded, 2), run_ms=round(ran * 1000, 1)))
+        del session
+    return checks
+
+
+def _ort_version() -> str:
+    import onnxruntime
+
+    return onnxruntime.__version__
+
+
 def compile_package(
     model: str | os.PathLike[str],
     options: CompileOptions,
@@ -170,154 +391,34 @@ def compile_package(
     Raises a QSpecError subclass (one line, with the fix) for bad options, unsupported models and
     backend failures; nothing is left at ``output`` unless the package is complete.
     """
-    from qspec.export import ExportOptions, export_model
     from qspec.export.loader import resolve_source, source_digest
 
     say = progress or (lambda message: None)
     warn = warn or (lambda message: None)
     start = time.perf_counter()
     target = Path(output) if output is not None else default_output(model, options)
-    spec_config = qaic_ccl_rule(options)  # a bad bucket list fails before any work
+    config = qaic_ccl_rule(options)  # a bad bucket list fails before any work
 
     source = resolve_source(model)
     say("hashing model files")
     digest = source_digest(source)
     key = _inputs_key(digest, options)
-    if not force and (target / MANIFEST).is_file():
-        try:
-            existing = read_manifest(target)
-        except QSpecError:
-            existing = None
-        if existing is not None and existing.inputs_key == key and (target / runtime_graph_file(existing)).is_file():
-            return target, existing, True
+    existing = None if force else _reusable(target, key)
+    if existing is not None:
+        return target, existing, True
 
-    export_options = ExportOptions(
-        continuous_batching=spec_config.continuous_batching,
-        speculative=spec_config.speculative,
-        comp_ctx_lengths=spec_config.comp_ctx_lengths,
-        num_layers=options.num_layers,
-        hidden_states=options.exports_hidden_states,
-    )
-    if options.backend == "ort":  # while the export runs in its own process: the next step's imports (~3 s)
-        threading.Thread(target=_import_runtime_graph_tools, daemon=True).start()
-    export_dir, meta = export_model(model, export_options, progress=say, digest=digest)
-    messages = check_model_speculative_config(meta.model.speculative_config, spec_config.num_speculative_tokens)
-    specs = build_specializations(spec_config)
-    messages += ccl_notes(spec_config, specs)
-    for message in messages:
+    exported = _export(model, options, config, digest=digest, progress=say)
+    for message in exported.warnings:
         warn(message)
-    entry = ModelEntry(
-        **meta.model.model_dump(),
-        source=meta.source,
-        digest=meta.digest,
-        export_key=meta.key,
-        continuous_batching=export_options.continuous_batching,
-        speculative=export_options.speculative,
-        comp_ctx_lengths=export_options.comp_ctx_lengths,
-        truncated_layers=options.num_layers,
-        hidden_states=options.exports_hidden_states,
-    )
-
-    runtime_graph = None
-    if options.backend == "ort":
-        from qspec.backends.ort_optimize import cached_runtime_graph
-
-        graph_dir, runtime_graph = cached_runtime_graph(
-            export_dir,
-            meta.key,
-            options.weight_format,
-            progress=say,
-            attention=meta.model.attention,
-            positions=spec_config.ctx_len + attention_slack(max(spec.seq_len for spec in specs)),
-        )
+    graph = _runtime_graph(exported, options, config, progress=say) if options.backend == "ort" else None
 
     def build(folder: Path) -> None:
         say("writing the package")
-        for path in sorted(export_dir.glob(ONNX_FILE + "*")):
-            copy_file(path, folder / path.name)
-        if runtime_graph is not None:
-            for path in sorted(graph_dir.glob(ORT_ONNX_FILE + "*")):
-                copy_file(path, folder / path.name)
-        shutil.copytree(export_dir / TOKENIZER_DIR, folder / TOKENIZER_DIR)
-        write_specializations(specs, folder / SPECIALIZATIONS_FILE, fmt=options.spec_format)
-        checks, qaic = [], None
-        if runtime_graph is not None:
-            checks = check_ort(folder / runtime_graph.file, specs, entry.vocab_size, progress=say)
-        else:
-            say("preparing the qaic-compile command")
-            qaic = prepare_qaic(
-                folder,
-                onnx_path=folder / ONNX_FILE,
-                specializations_path=folder / SPECIALIZATIONS_FILE,
-                num_layers=entry.num_layers,
-                options=options.qaic,
-                feature_outputs=(contract.HIDDEN_STATES,) if options.exports_hidden_states else (),
-            )
+        _write_files(folder, exported, graph, options.spec_format)
+        checks, qaic = _check_or_prepare_vendor(folder, exported, graph, options, progress=say)
         if options.draft_head is not None:
-            from qspec.heads.package import compile_head
-
-            compile_head(
-                options.draft_head,
-                folder,
-                config=spec_config,
-                target_fingerprint=meta.key,
-                weight_format=options.weight_format,
-                backend=options.backend,
-                spec_format=options.spec_format,
-                qaic=options.qaic,
-                progress=say,
-            )
-        manifest = Manifest(
-            inputs_key=key,
-            created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            model=entry,
-            config=spec_config,
-            specializations=specs,
-            spec_format=options.spec_format,
-            backend=options.backend,
-            weight_format=options.weight_format,
-            runtime_graph=runtime_graph,
-            ort_checks=checks,
-            qaic=qaic,
-            versions={**meta.versions, "onnxruntime": _ort_version(), "export_seconds": str(meta.export_seconds)},
-            compile_seconds=round(time.perf_counter() - start, 2),
-            warnings=messages,
-        )
-        dump_manifest(manifest, folder)
+            _add_draft_head(folder, options, config, exported.meta.key, progress=say)
+        dump_manifest(_manifest(key, exported, options, config, graph, checks, qaic, start=start), folder)
 
     write_package_atomic(target, build)
     return target, read_manifest(target), False
-
-
-def _import_runtime_graph_tools() -> None:
-    import onnx_ir  # noqa: F401
-    import onnxscript.rewriter.ort_fusions  # noqa: F401
-
-    import qspec.backends.ort_optimize  # noqa: F401
-
-
-def check_ort(onnx_path: Path, specs, vocab_size: int, *, progress: Progress) -> list[SessionCheck]:
-    """Load and run one static-shape session per specialization, one at a time; any failure raises."""
-    from qspec.backends import ort as ort_backend
-
-    checks = []
-    for spec in specs:
-        progress(f"checking a static session for {spec.describe()}")
-        begin = time.perf_counter()
-        session = ort_backend.create_session(onnx_path, spec, prepack=False)
-        loaded = time.perf_counter() - begin
-        ort_backend.check_static(session, spec)
-        begin = time.perf_counter()
-        ort_backend.smoke_run(session, spec, vocab_size)
-        ran = time.perf_counter() - begin
-        checks.append(
-            SessionCheck(specialization=spec, ok=True, load_seconds=round(loaded, 2), run_ms=round(ran * 1000, 1))
-        )
-        del session
-    return checks
-
-
-def _ort_version() -> str:
-    import onnxruntime
-
-    return onnxruntime.__version__

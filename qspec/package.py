@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from qspec.backends.qaic import QaicResult
 from qspec.common import with_umask
@@ -139,14 +139,20 @@ class RuntimeGraph(BaseModel):
 
 
 class SessionCheck(BaseModel):
-    """One specialization's ONNX Runtime check at compile time."""
+    """One specialization's ONNX Runtime check at compile time, which it passed: a specialization that does
+    not load or run, or gives logits of another shape, fails the compile (:func:`qspec.compile.check_ort`)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     specialization: Specialization
-    ok: bool
     load_seconds: float
     run_ms: float
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_older_manifests(cls, data: Any) -> Any:
+        # Older manifests recorded `ok`, always true: a failed check never reached a manifest.
+        return without_keys(data, "ok")
 
 
 class Manifest(BaseModel):
@@ -162,13 +168,29 @@ class Manifest(BaseModel):
     specializations: list[Specialization]
     spec_format: SpecFormat
     backend: Backend
-    weight_format: WeightFormat = "fp32"
     runtime_graph: RuntimeGraph | None = None  # None: the runtime loads model.onnx
     ort_checks: list[SessionCheck] = Field(default_factory=list)
     qaic: QaicResult | None = None  # backend "qaic" only
     versions: dict[str, str]
     compile_seconds: float
     warnings: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_older_manifests(cls, data: Any) -> Any:
+        # Older manifests also recorded the weight format here, beside the runtime graph's.
+        return without_keys(data, "weight_format")
+
+    @property
+    def weight_format(self) -> WeightFormat:
+        """The precision of the MatMul weights the runtime loads: the runtime graph's; a package without one
+        (backend qaic) holds the fp32 vendor graph only."""
+        return self.runtime_graph.weight_format if self.runtime_graph is not None else "fp32"
+
+
+def without_keys(data: Any, *keys: str) -> Any:
+    """``data`` without ``keys`` when it is a dict (a field older manifests recorded and this qspec drops)."""
+    return {k: v for k, v in data.items() if k not in keys} if isinstance(data, dict) else data
 
 
 def read_manifest(package: str | os.PathLike[str]) -> Manifest:

@@ -17,7 +17,8 @@ import torch
 from qspec import contract
 from qspec.errors import ModelLoadError, QSpecError, UnsupportedModelError
 from qspec.export import ExportOptions, export_model
-from qspec.export.exporter import ONNX_FILE, graph_dims
+from qspec.export.exporter import ONNX_FILE
+from qspec.export.graph import graph_dims
 from tests.conftest import FAMILIES
 
 CTX = 16

@@ -346,7 +346,7 @@ def test_compile_package_with_draft_head(tiny_model, tmp_path):
 
 def test_symbolic_dims_are_the_specialization_keys(eagle_package, tmp_path):
     """Every symbolic dimension of a head graph is a key of its specializations file, and every key a dimension."""
-    from qspec.export.exporter import graph_dims
+    from qspec.export.graph import graph_dims
 
     def check(package, manifest):
         dims = graph_dims(manifest.path(package, manifest.graph))

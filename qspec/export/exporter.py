@@ -23,31 +23,19 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from qspec import __version__, contract
+from qspec import __version__
 from qspec.common import build_directory
 from qspec.errors import ConfigError, QSpecError
+from qspec.export.graph import OPSET, ExportOptions, check_graph
 from qspec.export.loader import ModelSource, load_model, resolve_source, source_digest
 from qspec.export.wrapper import adapter_for, attention_info
 from qspec.package import ONNX_FILE, TOKENIZER_DIR, ModelInfo
 
 EXPORT_META = "export.json"
-OPSET = 18
 # Bump when the exporter writes a different graph for the same model and options: old exports are stale.
 EXPORT_FORMAT = 4
 
 Progress = Callable[[str], None]
-
-
-class ExportOptions(BaseModel):
-    """What changes the graph: the variant of the contract and an optional layer cut (draft models)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    continuous_batching: bool = False  # `batch_index` input, KV buffers of `full_batch_size` rows
-    speculative: bool = True  # `num_logits_to_keep` input: logits of the last K + 1 positions
-    comp_ctx_lengths: bool = False  # `comp_ctx_lengths` input: its length bounds the KV slots attention reads
-    num_layers: int | None = Field(default=None, ge=1)  # keep only the first N decoder layers
-    hidden_states: bool = False  # `hidden_states` output: the final-norm state of every position (draft heads)
 
 
 class ExportMeta(BaseModel):
@@ -293,52 +281,6 @@ def trace_to_onnx(model, path: Path, options: ExportOptions, info: ModelInfo, sa
         trace.save(graph, path)
         times.add("save", time.perf_counter() - begin)
     return times.phases
-
-
-def expected_dims(num_layers: int, options: ExportOptions, vocab_size: int) -> dict[str, list]:
-    """Dimension names (or sizes) of every graph input and output, per the contract."""
-    rows = contract.FULL_BATCH_SIZE if options.continuous_batching else contract.BATCH_SIZE
-    tokens = [contract.BATCH_SIZE, contract.SEQ_LEN]
-    dims = {contract.INPUT_IDS: tokens, contract.POSITION_IDS: tokens}
-    if options.continuous_batching:
-        dims[contract.BATCH_INDEX] = [contract.BATCH_SIZE, 1]
-    if options.speculative:
-        dims[contract.NUM_LOGITS_TO_KEEP] = [contract.NUM_LOGITS_TO_KEEP, 1]
-    if options.comp_ctx_lengths:
-        dims[contract.COMP_CTX_LENGTHS] = [contract.COMP_CTX_LENGTHS]
-    kv = [rows, None, contract.CTX_LEN, None]  # None: a fixed size the contract does not name
-    dims |= {name: kv for name in contract.kv_names(num_layers)}
-    keep = contract.NUM_LOGITS_TO_KEEP if options.speculative else 1
-    dims[contract.LOGITS] = [contract.BATCH_SIZE, keep, vocab_size]
-    if options.hidden_states:
-        dims[contract.HIDDEN_STATES] = [contract.BATCH_SIZE, contract.SEQ_LEN, None]
-    return dims | {contract.retained(name): kv for name in contract.kv_names(num_layers)}
-
-
-def graph_dims(path: Path) -> dict[str, list]:
-    """``{io name: [dim_param or dim_value, ...]}`` of a saved graph, without loading its weights."""
-    import onnx
-
-    proto = onnx.load(str(path), load_external_data=False)
-    return {
-        value.name: [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim]
-        for value in list(proto.graph.input) + list(proto.graph.output)
-    }
-
-
-def check_graph(path: Path, num_layers: int, options: ExportOptions) -> None:
-    """Full ``onnx.checker`` pass plus the contract's names and symbolic dimensions."""
-    import onnx
-
-    onnx.checker.check_model(str(path), full_check=True)
-    dims = graph_dims(path)
-    vocab = dims[contract.LOGITS][-1]
-    expected = expected_dims(num_layers, options, vocab)
-    assert list(dims) == list(expected), f"graph I/O {list(dims)} differs from the contract {list(expected)}"
-    for name, want in expected.items():
-        got = dims[name]
-        ok = len(got) == len(want) and all(w is None or w == g for w, g in zip(want, got))
-        assert ok, f"{name} has dims {got}, the contract says {want}"
 
 
 @contextlib.contextmanager

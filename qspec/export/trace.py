@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from qspec import contract
+from qspec.export.graph import OPSET, expected_dims
 
 DOMAIN = "qspec.export"
 Progress = Callable[[str], None]
@@ -170,8 +171,6 @@ def trace_pieces(lm: nn.Module, info, options, times: TraceTimes, say: Progress)
     """Trace every piece in one export call, then cut the graph into one function per piece."""
     import onnxscript.optimizer
 
-    from qspec.export.exporter import OPSET
-
     specs = piece_specs(lm, info, options)
     module = _SideBySide(lm, specs)
     say(f"tracing {', '.join(spec.name for spec in specs)}")
@@ -285,8 +284,6 @@ def compose(lm: nn.Module, pieces: dict[str, Piece], options):
     """The main graph: prologue, every layer with its own weights and KV buffers, epilogue; inlined."""
     import onnx_ir as ir
     from onnx_ir.passes.common import InlinePass, RemoveUnusedFunctionsPass, RemoveUnusedOpsetsPass
-
-    from qspec.export.exporter import OPSET, expected_dims
 
     names = {id(t): n for n, t in lm.model.named_parameters()} | {id(t): n for n, t in lm.model.named_buffers()}
     initializers: dict[int, ir.Value] = {}

@@ -1,0 +1,74 @@
+"""qspec.compile and the manifest it writes, on a tiny random model: checks that fail, manifests of older qspec."""
+
+from __future__ import annotations
+
+import json
+
+import onnxruntime
+import pytest
+
+from qspec.compile import CompileOptions, check_ort, compile_package
+from qspec.errors import CompileError
+from qspec.package import MANIFEST, read_manifest, runtime_graph_file
+from qspec.specializations import make_config
+
+
+@pytest.fixture(scope="module")
+def package(tiny_model, tmp_path_factory):
+    """A package of a tiny llama, Ks [0,4]."""
+    config = make_config(num_speculative_tokens="0,4", prefill_seq_len=8, ctx_len=32)
+    folder, _, _ = compile_package(
+        tiny_model("llama"), CompileOptions(specialization=config), output=tmp_path_factory.mktemp("k04") / "p"
+    )
+    return folder
+
+
+def test_weight_format_is_recorded_once(package):
+    """The manifest records the weight format in its runtime graph only; Manifest.weight_format reads it there."""
+    raw = json.loads((package / MANIFEST).read_text())
+    assert "weight_format" not in raw and raw["runtime_graph"]["weight_format"] == "fp32"
+    assert read_manifest(package).weight_format == "fp32"
+
+
+def test_manifest_of_an_older_qspec_still_loads(package, tmp_path):
+    """A manifest with the top-level weight_format and each check's `ok` (older qspec) reads as before."""
+    raw = json.loads((package / MANIFEST).read_text())
+    raw["weight_format"] = "fp32"
+    for check in raw["ort_checks"]:
+        check["ok"] = True
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / MANIFEST).write_text(json.dumps(raw))
+    manifest = read_manifest(old)
+    assert manifest.weight_format == "fp32" and manifest == read_manifest(package)
+
+
+def test_check_fails_in_one_line_when_a_specialization_gives_other_logits(package):
+    """Logits of another shape than the specialization's fail the check, naming the specialization."""
+    manifest = read_manifest(package)
+    with pytest.raises(CompileError, match=r"gave logits of shape .* expected") as caught:
+        check_ort(
+            package / runtime_graph_file(manifest),
+            manifest.specializations,
+            manifest.model.vocab_size + 1,
+            progress=lambda message: None,
+        )
+    assert "\n" not in str(caught.value)
+
+
+def test_check_fails_in_one_line_when_a_specialization_does_not_run(package, monkeypatch):
+    """An ONNX Runtime failure while running a specialization is a one-line CompileError naming it."""
+    manifest = read_manifest(package)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : Non-zero status code\nstack trace ...")
+
+    monkeypatch.setattr(onnxruntime.InferenceSession, "run", fail)
+    with pytest.raises(CompileError, match=r"could not run specialization .*RUNTIME_EXCEPTION") as caught:
+        check_ort(
+            package / runtime_graph_file(manifest),
+            manifest.specializations,
+            manifest.model.vocab_size,
+            progress=lambda message: None,
+        )
+    assert "\n" not in str(caught.value)
