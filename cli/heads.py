@@ -70,8 +70,8 @@ def train_head(
             return
         last = log["epochs"][-1]
         print(
-            f"wrote {output} ({method}, draft vocabulary {log['draft_vocab']}, {log['answer_tokens']} training "
-            f"tokens): held-out chain accuracy {last['held_out_chain_accuracy']}"
+            f"wrote {output} ({method}, draft vocabulary {log['draft_vocab']}, {log['train_positions']} training "
+            f"positions): held-out chain accuracy {last['held_out_chain_accuracy']}"
         )
 
     run_guarded(work)

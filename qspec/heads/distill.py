@@ -102,7 +102,7 @@ def distill_head(
     model = load_target(target or manifest.model.source)
     from qspec.heads.train import train_head
 
-    return train_head(features, model, output, train, progress=say)
+    return train_head(features, model, output, train, state_dir=work_dir, progress=say)
 
 
 def _features(package: Path, records: list[dict], path: Path, say: Progress) -> Path:

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from qspec.common import with_umask
 from qspec.errors import ConfigError, ModelLoadError
 
 EAGLE_CONFIG = "config.json"
@@ -209,6 +210,7 @@ def save_eagle(head: EagleHead, out_dir: str | Path, *, config=None, dtype: torc
         tensors["d2t"] = d2t_from_ids(head.draft_ids)
         tensors["t2d"] = t2d_from_ids(head.draft_ids, vocab)
     save_file(tensors, str(out / EAGLE_WEIGHTS[0]), metadata={"format": "pt"})
+    with_umask(out / EAGLE_WEIGHTS[0], 0o666)  # safetensors writes 0600
     values = (config or head.config).to_dict()
     values.pop("_attn_implementation", None)
     values.update(
@@ -398,6 +400,7 @@ def save_medusa(
     if head.draft_ids is not None:
         tensors["token_map"] = head.draft_ids.clone()
     save_file(tensors, str(out / MEDUSA_WEIGHTS[0]), metadata={"format": "pt"})
+    with_umask(out / MEDUSA_WEIGHTS[0], 0o666)  # safetensors writes 0600
     config = {
         "medusa_num_heads": head.num_heads,
         "medusa_num_layers": head.num_layers,
@@ -485,6 +488,7 @@ def save_turbo(head: MedusaHead, out_dir: str | Path, *, dtype: torch.dtype = to
         for name, tensor in block.state_dict().items()
     }
     save_file(tensors, str(out / TURBO_WEIGHTS), metadata={"format": "pt"})
+    with_umask(out / TURBO_WEIGHTS, 0o666)  # safetensors writes 0600
     config = {"model_type": "turbo", "turbo_num_heads": head.num_heads, "turbo_num_layers": head.num_layers}
     (out / TURBO_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return out

@@ -245,11 +245,12 @@ def train_head(
     output: Path,
     options: TrainOptions,
     *,
+    state_dir: Path | None = None,
     progress: Progress | None = None,
 ) -> dict:
     """Train a head for ``target_model`` (the HF model the package was exported from: its embeddings and
     LM head) on ``features``; write it to ``output`` in its layout with ``train_log.json``. Resumes from
-    ``output/train_state.pt``."""
+    ``train_state.pt`` in ``state_dir`` (default: ``output``), written after every epoch."""
     import torch
 
     from qspec.heads import modules
@@ -281,7 +282,7 @@ def train_head(
         lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps)),
     )
     output.mkdir(parents=True, exist_ok=True)
-    state_path = output / "train_state.pt"
+    state_path = (state_dir or output) / "train_state.pt"
     log = {"options": options.model_dump(), "train_sequences": len(train_ids), "held_out": len(held_ids), "epochs": []}
     start_epoch = 0
     if state_path.is_file():
@@ -292,7 +293,7 @@ def train_head(
         start_epoch, log = state["epoch"], state["log"]
         say(f"resuming after epoch {start_epoch}")
     generator = torch.Generator().manual_seed(options.seed)
-    answer_tokens = int(sum(data["starts"][i + 1] - data["starts"][i] for i in train_ids))
+    train_positions = int(sum(data["starts"][i + 1] - data["starts"][i] for i in train_ids))
     begin = time.perf_counter()
     for epoch in range(start_epoch, options.epochs):
         order = np.random.default_rng(options.seed + epoch).permutation(train_ids).tolist()
@@ -342,7 +343,7 @@ def train_head(
             },
             state_path,
         )
-    log |= {"answer_tokens": answer_tokens, "draft_vocab": int(len(draft_ids))}
+    log |= {"train_positions": train_positions, "draft_vocab": int(len(draft_ids))}
     if options.method == "eagle":
         modules.save_eagle(head, output)
     else:
