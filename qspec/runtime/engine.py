@@ -117,7 +117,7 @@ class Engine:
         self.tokenizer = Tokenizer(self.model.package / TOKENIZER_DIR)
         self.method = method = canonical_method(method)
         if method in HEAD_METHODS and proposer is None:  # the head lives in the target's package
-            method_options = {"package": self.model.package, "num_threads": num_threads} | method_options
+            method_options = {"package": self.model.package} | method_options
         self.proposer: Proposer = proposer or make_proposer(method, **method_options)
         if self.proposer.wants_hidden_states and not self.model.manifest.model.hidden_states:
             raise ConfigError(f"method {method} reads hidden states: {package} has none; compile it with --draft-head")

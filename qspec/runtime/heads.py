@@ -37,7 +37,7 @@ from qspec.errors import ConfigError
 from qspec.runtime.proposal import Proposal, Proposer, RequestId, Tokens, as_tokens
 from qspec.runtime.sampling import SamplingParams
 
-DEFAULT_THRESHOLD = 0.2  # a chained draft below this probability ends the row's drafts for the step
+DEFAULT_THRESHOLD = 0.2  # a chain of drafts less likely than this (product of probabilities) ends the row's drafts
 
 
 def softmax_top(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -64,12 +64,15 @@ class _Row:
     drafts: list[int] = field(default_factory=list)
     feature: np.ndarray | None = None  # the head's predicted feature after the last draft
     going: bool = True
+    confidence: float = 1.0  # product of the drafts' probabilities: how likely the whole chain is right
 
 
 class HeadGraph:
     """A head's ONNX graph in ONNX Runtime, its KV cache (EAGLE) resident and bound in place."""
 
-    def __init__(self, path: Path, *, rows: int, kv: tuple[int, int, int] | None, num_threads: int | None = None):
+    def __init__(self, path: Path, *, rows: int, kv: tuple[int, int, int] | None, num_threads: int | None = 1):
+        # One thread by default: a head call is small, and a pool of its own would fight the target's
+        # spinning threads for the cores between the target's calls.
         options = ort_backend.session_options({}, spinning=False, num_threads=num_threads)
         self.session = ort.InferenceSession(str(path), options, providers=ort_backend.PROVIDERS)
         names = {i.name for i in self.session.get_inputs()}
@@ -224,13 +227,16 @@ class EagleProposer(HiddenStateProposer):
                 row.going = False
 
     def _take(self, row: _Row, logits: np.ndarray, feature: np.ndarray) -> None:
+        """Keep the head's draft unless the chain it ends is below the threshold (the first draft is always
+        kept: the dispatch prices it); chain on while the chain's probability stays at or above it."""
         top, prob = softmax_top(logits[None])
-        if row.drafts and prob[0] < self.threshold:
+        confidence = row.confidence * float(prob[0])
+        if row.drafts and confidence < self.threshold:
             row.going = False
             return
         row.drafts.append(int(self.to_target(top)[0]))
-        row.feature = feature
-        row.going = len(row.drafts) < row.cap and prob[0] >= self.threshold
+        row.feature, row.confidence = feature, confidence
+        row.going = len(row.drafts) < row.cap and confidence >= self.threshold
 
     def _chain(self, rows: list[_Row]) -> None:
         while True:
@@ -312,7 +318,7 @@ def load_head_proposer(
     package: str | Path,
     *,
     draft_confidence_threshold: float | None = None,
-    num_threads: int | None = None,
+    num_threads: int | None = 1,
 ) -> HiddenStateProposer:
     """The ``eagle`` or ``medusa`` proposer of ``package``'s draft head (``qspec compile --draft-head``)."""
     from qspec.heads.manifest import has_head, read_draft_ids, read_head_manifest
