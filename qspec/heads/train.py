@@ -250,7 +250,7 @@ def train_head(
 ) -> dict:
     """Train a head for ``target_model`` (the HF model the package was exported from: its embeddings and
     LM head) on ``features``; write it to ``output`` in its layout with ``train_log.json``. Resumes from
-    ``train_state.pt`` in ``state_dir`` (default: ``output``), written after every epoch."""
+    ``train_state-METHOD.pt`` in ``state_dir`` (default: ``output``), written after every epoch."""
     import torch
 
     from qspec.heads import modules
@@ -282,7 +282,7 @@ def train_head(
         lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps)),
     )
     output.mkdir(parents=True, exist_ok=True)
-    state_path = (state_dir or output) / "train_state.pt"
+    state_path = (state_dir or output) / f"train_state-{options.method}.pt"
     log = {"options": options.model_dump(), "train_sequences": len(train_ids), "held_out": len(held_ids), "epochs": []}
     start_epoch = 0
     if state_path.is_file():
