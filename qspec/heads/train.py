@@ -7,7 +7,7 @@ predicts ``x_{t+2+k}``, cross-entropy weighted ``0.8^k``. Only answer tokens are
 own greedy output); prompt positions are context.
 
 The draft vocabulary is the most frequent answer tokens. Training is deterministic for a seed and
-resumable: a checkpoint after every epoch (``train_state.pt``), the head itself written in its
+resumable: a checkpoint after every epoch (``train_state-METHOD.pt``), the head itself written in its
 checkpoint layout (:func:`qspec.heads.modules.save_eagle` / ``save_medusa``) so other tools read it.
 """
 
