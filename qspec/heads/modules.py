@@ -32,61 +32,35 @@ from torch import nn
 
 from qspec.common import with_umask
 from qspec.errors import ConfigError, ModelLoadError
+from qspec.heads.checkpoint import (
+    check_draft_ids,
+    d2t_from_ids,
+    draft_rows,
+    frozen_linear,
+    ids_from_d2t,
+    read_json,
+    read_weights,
+    t2d_from_ids,
+)
+from qspec.heads.medusa import (  # noqa: F401  (the layouts' public names, from one module)
+    MEDUSA_CONFIG,
+    MEDUSA_WEIGHTS,
+    TURBO_CONFIG,
+    TURBO_WEIGHTS,
+    VLLM_MEDUSA_WEIGHTS,
+    MedusaHead,
+    ResBlock,
+    load_medusa,
+    load_turbo,
+    medusa_from_target,
+    residual_stack,
+    save_medusa,
+    save_turbo,
+)
 
 EAGLE_CONFIG = "config.json"
 EAGLE_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
-MEDUSA_CONFIG = "config.json"
-MEDUSA_WEIGHTS = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
-VLLM_MEDUSA_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
-TURBO_CONFIG = "speculator_config.json"
-TURBO_WEIGHTS = "speculator.safetensors"
 TABLES = ("embed_tokens.weight", "lm_head.weight")  # EAGLE tensors that default to the target's
-
-
-# Draft vocabulary ------------------------------------------------------------------------------------
-
-
-def d2t_from_ids(draft_ids: torch.Tensor) -> torch.Tensor:
-    """EAGLE-3's offsets: ``d2t[i] = draft_ids[i] - i``. Example: ids ``[0, 5, 9]`` -> ``[0, 4, 7]``."""
-    return draft_ids.long() - torch.arange(draft_ids.numel(), dtype=torch.long)
-
-
-def ids_from_d2t(d2t: torch.Tensor) -> torch.Tensor:
-    """The target ids of the draft vocabulary: ``i + d2t[i]``."""
-    return torch.arange(d2t.numel(), dtype=torch.long) + d2t.long()
-
-
-def t2d_from_ids(draft_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """EAGLE-3's ``t2d``: a bool mask over the target vocabulary, True where a draft id exists."""
-    mask = torch.zeros(vocab_size, dtype=torch.bool)
-    mask[draft_ids.long()] = True
-    return mask
-
-
-def _check_draft_ids(draft_ids: torch.Tensor | None, vocab_size: int) -> torch.Tensor | None:
-    if draft_ids is None:
-        return None
-    ids = torch.as_tensor(draft_ids, dtype=torch.long).flatten()
-    if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
-        raise ConfigError(f"draft ids must be target token ids in [0, {vocab_size}); got {ids.numel()} ids")
-    if ids.unique().numel() != ids.numel():
-        raise ConfigError("draft ids repeat a target id; give each target id at most once")
-    return ids
-
-
-def _draft_rows(table: torch.Tensor, draft_ids: torch.Tensor | None) -> torch.Tensor:
-    """The LM-head rows of the draft vocabulary: ``table`` itself if it already has one row per draft id."""
-    table = table.detach().float()
-    if draft_ids is None or table.shape[0] == draft_ids.numel():
-        return table.clone()
-    return table[draft_ids].clone()
-
-
-def _frozen_linear(rows: torch.Tensor) -> nn.Linear:
-    """``nn.Linear`` computing ``x @ rows.T``, not trained."""
-    linear = nn.Linear(rows.shape[1], rows.shape[0], bias=False)
-    linear.weight = nn.Parameter(rows, requires_grad=False)
-    return linear
 
 
 # EAGLE-1 ---------------------------------------------------------------------------------------------
@@ -130,13 +104,13 @@ class EagleHead(nn.Module):
         layer.input_layernorm = nn.Identity()  # EAGLE-1's layer 0 reads fc's output unnormalized
         self.layers = nn.ModuleList([layer])
         self.rotary_emb = LlamaRotaryEmbedding(config)
-        ids = _check_draft_ids(draft_ids, embed_tokens.shape[0])
+        ids = check_draft_ids(draft_ids, embed_tokens.shape[0])
         if ids is None and lm_head.shape[0] != embed_tokens.shape[0]:
             raise ConfigError(
                 f"the LM head has {lm_head.shape[0]} rows and the vocabulary {embed_tokens.shape[0]}; "
                 "a reduced draft vocabulary needs its d2t table"
             )
-        self.lm_head = _frozen_linear(_draft_rows(lm_head, ids))
+        self.lm_head = frozen_linear(draft_rows(lm_head, ids))
         self.register_buffer("draft_ids", ids, persistent=False)
         self.own_tables: frozenset[str] = frozenset()  # tables the checkpoint holds (saved back with it)
 
@@ -239,8 +213,8 @@ def load_eagle(head_dir: str | Path, target_model=None) -> EagleHead:
     from transformers import LlamaConfig
 
     folder = Path(head_dir)
-    values = _read_json(folder / EAGLE_CONFIG)
-    weights = {name.removeprefix("model."): tensor for name, tensor in _read_weights(folder, EAGLE_WEIGHTS).items()}
+    values = read_json(folder / EAGLE_CONFIG)
+    weights = {name.removeprefix("model."): tensor for name, tensor in read_weights(folder, EAGLE_WEIGHTS).items()}
     d2t = weights.pop("d2t", None)
     weights.pop("t2d", None)
     own = {name: weights.pop(name) for name in TABLES if name in weights}
@@ -270,252 +244,6 @@ def load_eagle(head_dir: str | Path, target_model=None) -> EagleHead:
     return head.eval()
 
 
-# Medusa-1 and turbo ----------------------------------------------------------------------------------
-
-
-class ResBlock(nn.Module):
-    """Medusa's residual block: ``x + SiLU(linear(x))``, zero-initialized (an identity at first)."""
-
-    def __init__(self, hidden_size: int, bias: bool = True):
-        super().__init__()
-        self.linear = nn.Linear(hidden_size, hidden_size, bias=bias)
-        nn.init.zeros_(self.linear.weight)
-        self.act = nn.SiLU()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.act(self.linear(x))
-
-
-def residual_stack(hidden_size: int, num_layers: int, *, shared: bool, bias: bool = True) -> nn.Sequential:
-    """A head's blocks. ``shared``: FasterDecoding's and QEfficient's ``[ResBlock(h)] * num_layers``, ONE
-    module repeated (its layers share weights; a loaded file's last layer wins, as in ``load_state_dict``)."""
-    if shared:
-        return nn.Sequential(*([ResBlock(hidden_size, bias)] * num_layers))
-    return nn.Sequential(*(ResBlock(hidden_size, bias) for _ in range(num_layers)))
-
-
-class MedusaHead(nn.Module):
-    """Medusa-1 heads: ``forward(hidden [B, T, H]) -> logits [B, T, num_heads, draft_vocab]``.
-
-    ``lm_head``: [vocab, H] (the target's, or rows per draft id). ``per_head_lm_head``: each head gets a
-    trainable copy (Medusa-1's layout); otherwise one frozen LM head serves every head (turbo, vLLM's
-    ``original_lm_head``).
-    """
-
-    def __init__(
-        self,
-        hidden_size: int,
-        num_heads: int,
-        num_layers: int,
-        lm_head: torch.Tensor,
-        *,
-        draft_ids: torch.Tensor | None = None,
-        per_head_lm_head: bool = False,
-        shared_layers: bool = True,
-        bias: bool = True,
-        vocab_size: int | None = None,
-    ):
-        super().__init__()
-        if num_heads < 1 or num_layers < 1:
-            raise ConfigError(f"a Medusa head needs num_heads >= 1 and num_layers >= 1; got {num_heads}, {num_layers}")
-        self.hidden_size, self.num_heads, self.num_layers = hidden_size, num_heads, num_layers
-        self.shared_layers = shared_layers
-        self.vocab_size = vocab_size or lm_head.shape[0]
-        ids = _check_draft_ids(draft_ids, self.vocab_size)
-        rows = _draft_rows(lm_head, ids)
-        self.blocks = nn.ModuleList(
-            residual_stack(hidden_size, num_layers, shared=shared_layers, bias=bias) for _ in range(num_heads)
-        )
-        if per_head_lm_head:
-            self.lm_heads = nn.ModuleList(nn.Linear(hidden_size, rows.shape[0], bias=False) for _ in range(num_heads))
-            for linear in self.lm_heads:
-                linear.weight.data.copy_(rows)
-        else:
-            self.lm_head = _frozen_linear(rows)
-        self.register_buffer("draft_ids", ids, persistent=False)
-
-    @property
-    def per_head_lm_head(self) -> bool:
-        return hasattr(self, "lm_heads")
-
-    @property
-    def draft_vocab_size(self) -> int:
-        return (self.lm_heads[0] if self.per_head_lm_head else self.lm_head).weight.shape[0]
-
-    def head_lm(self, k: int) -> nn.Linear:
-        return self.lm_heads[k] if self.per_head_lm_head else self.lm_head
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = [self.head_lm(k)(block(hidden)) for k, block in enumerate(self.blocks)]
-        return torch.stack(logits, dim=2)  # [B, T, num_heads, draft_vocab]
-
-    def to_target(self, draft_tokens: torch.Tensor) -> torch.Tensor:
-        return draft_tokens if self.draft_ids is None else self.draft_ids[draft_tokens]
-
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        """The blocks, and the per-head LM heads when there are any."""
-        return [p for p in self.parameters() if p.requires_grad]
-
-    def share_equal_lm_heads(self) -> bool:
-        """One frozen LM head for all heads when their per-head tables are equal (Medusa-1 files store one
-        per head even when they were never trained apart); returns whether it did."""
-        if not self.per_head_lm_head or any(
-            not torch.equal(linear.weight, self.lm_heads[0].weight) for linear in self.lm_heads
-        ):
-            return False
-        rows = self.lm_heads[0].weight.detach().clone()
-        del self.lm_heads
-        self.lm_head = _frozen_linear(rows)
-        return True
-
-
-def medusa_from_target(
-    target_model,
-    num_heads: int,
-    num_layers: int = 1,
-    *,
-    draft_ids: torch.Tensor | None = None,
-    per_head_lm_head: bool = False,
-) -> MedusaHead:
-    """Fresh Medusa-1 heads on ``target_model``'s LM head (FasterDecoding's shared-layer blocks)."""
-    lm = target_model.get_output_embeddings().weight
-    return MedusaHead(lm.shape[1], num_heads, num_layers, lm, draft_ids=draft_ids, per_head_lm_head=per_head_lm_head)
-
-
-def save_medusa(
-    head: MedusaHead, out_dir: str | Path, *, dtype: torch.dtype = torch.float16, base_model_name_or_path: str = ""
-) -> Path:
-    """FasterDecoding's layout: ``config.json`` (``medusa_num_heads``, ``medusa_num_layers``) and
-    ``medusa_lm_head.safetensors`` with keys ``{k}.{l}.linear.*`` and ``{k}.{num_layers}.weight`` (every
-    head's LM head, as Medusa-1 keeps one per head); a reduced vocabulary adds vLLM's ``token_map``."""
-    from safetensors.torch import save_file
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for k, block in enumerate(head.blocks):
-        for name, tensor in block.state_dict().items():  # every layer's key, shared or not (as torch writes it)
-            tensors[f"{k}.{name}"] = tensor.detach().to(dtype).clone()
-        tensors[f"{k}.{head.num_layers}.weight"] = head.head_lm(k).weight.detach().to(dtype).clone()
-    if head.draft_ids is not None:
-        tensors["token_map"] = head.draft_ids.clone()
-    save_file(tensors, str(out / MEDUSA_WEIGHTS[0]), metadata={"format": "pt"})
-    with_umask(out / MEDUSA_WEIGHTS[0], 0o666)  # safetensors writes 0600
-    config = {
-        "medusa_num_heads": head.num_heads,
-        "medusa_num_layers": head.num_layers,
-        "hidden_size": head.hidden_size,
-        "vocab_size": head.vocab_size,
-        "base_model_name_or_path": base_model_name_or_path,
-    }
-    if head.draft_ids is not None:
-        config["truncated_vocab_size"] = head.draft_vocab_size
-    if not head.shared_layers:
-        config["medusa_shared_layers"] = False  # not FasterDecoding's blocks: readers of that layout would share
-    (out / MEDUSA_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-    return out
-
-
-def load_medusa(head_dir: str | Path, target_model=None) -> MedusaHead:
-    """Read Medusa heads: FasterDecoding's ``medusa_lm_head.{safetensors,pt}`` (shared-layer blocks) or
-    vLLM's ``blocks.{k}.layers.{l}`` / ``lm_heads.{k}`` / ``lm_head`` names (distinct layers)."""
-    folder = Path(head_dir)
-    config = _read_json(folder / MEDUSA_CONFIG)
-    num_heads = config.get("medusa_num_heads", config.get("num_heads"))
-    num_layers = config.get("medusa_num_layers", config.get("num_hidden_layers"))
-    if num_heads is None or num_layers is None:
-        raise ModelLoadError(f"{folder / MEDUSA_CONFIG} names no medusa_num_heads/medusa_num_layers")
-    if any((folder / name).is_file() for name in MEDUSA_WEIGHTS):
-        weights = {k.removeprefix("medusa_head."): v for k, v in _read_weights(folder, MEDUSA_WEIGHTS).items()}
-        shared = config.get("medusa_shared_layers", True)
-    else:
-        weights = _vllm_medusa_names(_read_weights(folder, VLLM_MEDUSA_WEIGHTS), num_layers)
-        shared = False
-    token_map = weights.pop("token_map", None)
-    lm = weights.pop("lm_head.weight", None)  # one LM head for every head (vLLM's original_lm_head)
-    per_head = f"0.{num_layers}.weight" in weights
-    if lm is None and not per_head:
-        if target_model is None:
-            raise ModelLoadError(f"{folder} has no LM head of its own; load it with the target model")
-        lm = target_model.get_output_embeddings().weight
-    table = weights[f"0.{num_layers}.weight"] if per_head else lm
-    hidden = config.get("hidden_size", table.shape[1])
-    head = MedusaHead(
-        hidden,
-        num_heads,
-        num_layers,
-        table,
-        draft_ids=token_map,
-        per_head_lm_head=per_head,
-        shared_layers=shared,
-        bias="0.0.linear.bias" in weights,
-        vocab_size=config.get("vocab_size") if token_map is not None else None,
-    )
-    state = {f"blocks.{name}": tensor for name, tensor in weights.items() if not name.endswith(f".{num_layers}.weight")}
-    if per_head:
-        state |= {f"lm_heads.{k}.weight": weights[f"{k}.{num_layers}.weight"] for k in range(num_heads)}
-    _load_exact(head, state, folder, skip=() if per_head else ("lm_head.weight",))
-    return head.eval()
-
-
-def _vllm_medusa_names(weights: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
-    """vLLM's Medusa names in FasterDecoding's: ``blocks.{k}.layers.{l}.w`` -> ``{k}.{l}.linear.w``,
-    ``lm_heads.{k}.weight`` -> ``{k}.{num_layers}.weight``."""
-    renamed = {}
-    for name, tensor in weights.items():
-        parts = name.removeprefix("medusa_heads.").split(".")
-        if parts[0] == "blocks" and parts[2] == "layers":
-            renamed[f"{parts[1]}.{parts[3]}.linear.{parts[4]}"] = tensor
-        elif parts[0] == "lm_heads":
-            renamed[f"{parts[1]}.{num_layers}.weight"] = tensor
-        else:
-            renamed[".".join(parts)] = tensor
-    return renamed
-
-
-def save_turbo(head: MedusaHead, out_dir: str | Path, *, dtype: torch.dtype = torch.float16) -> Path:
-    """QEfficient's turbo layout: ``speculator_config.json`` and ``speculator.safetensors`` with
-    ``projections.{k}.{l}.linear.*`` (every layer's key; the target's LM head is not stored)."""
-    from safetensors.torch import save_file
-
-    if head.per_head_lm_head or head.draft_ids is not None:
-        raise ConfigError("turbo projections use the target's full LM head; save this head with save_medusa")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = {
-        f"projections.{k}.{name}": tensor.detach().to(dtype).clone()
-        for k, block in enumerate(head.blocks)
-        for name, tensor in block.state_dict().items()
-    }
-    save_file(tensors, str(out / TURBO_WEIGHTS), metadata={"format": "pt"})
-    with_umask(out / TURBO_WEIGHTS, 0o666)  # safetensors writes 0600
-    config = {"model_type": "turbo", "turbo_num_heads": head.num_heads, "turbo_num_layers": head.num_layers}
-    (out / TURBO_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-    return out
-
-
-def load_turbo(head_dir: str | Path, target_model) -> MedusaHead:
-    """Read QEfficient turbo projections (shared-layer blocks) onto ``target_model``'s LM head."""
-    from safetensors.torch import load_file
-
-    folder = Path(head_dir)
-    config = _read_json(folder / TURBO_CONFIG)
-    if not (folder / TURBO_WEIGHTS).is_file():
-        raise ModelLoadError(f"{folder} has no {TURBO_WEIGHTS}; a turbo head needs it beside {TURBO_CONFIG}")
-    weights = {k.removeprefix("projections."): v for k, v in load_file(str(folder / TURBO_WEIGHTS)).items()}
-    lm = target_model.get_output_embeddings().weight
-    head = MedusaHead(
-        lm.shape[1],
-        config["turbo_num_heads"],
-        config["turbo_num_layers"],
-        lm,
-        shared_layers=True,
-        bias="0.0.linear.bias" in weights,
-    )
-    _load_exact(head, {f"blocks.{name}": tensor for name, tensor in weights.items()}, folder, skip=("lm_head.weight",))
-    return head.eval()
-
-
 # Any layout -------------------------------------------------------------------------------------------
 
 
@@ -527,7 +255,7 @@ def detect_layout(head_dir: str | Path) -> str:
     if any((folder / name).is_file() for name in MEDUSA_WEIGHTS):
         return "medusa"
     if (folder / EAGLE_CONFIG).is_file():
-        config = _read_json(folder / EAGLE_CONFIG)
+        config = read_json(folder / EAGLE_CONFIG)
         if "medusa_num_heads" in config or "num_heads" in config:
             return "medusa"
         if config.get("num_hidden_layers") == 1:
@@ -543,33 +271,3 @@ def load_head(head_dir: str | Path, target_model=None) -> tuple[nn.Module, str]:
     layout = detect_layout(head_dir)
     loader = {"eagle": load_eagle, "medusa": load_medusa, "turbo": load_turbo}[layout]
     return loader(head_dir, target_model), layout
-
-
-def _load_exact(head: nn.Module, state: dict[str, torch.Tensor], folder: Path, *, skip: tuple[str, ...]) -> None:
-    result = head.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
-    missing = sorted(set(result.missing_keys) - set(skip))
-    if missing or result.unexpected_keys:
-        raise ModelLoadError(
-            f"{folder} does not match its config: missing {missing or 'nothing'}, "
-            f"unexpected {sorted(result.unexpected_keys) or 'nothing'}"
-        )
-
-
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        raise ModelLoadError(f"{path} does not exist; give the folder of a head checkpoint")
-    return json.loads(path.read_text())
-
-
-def _read_weights(folder: Path, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """The first of ``names`` that exists: safetensors, or a torch pickle read with ``weights_only``."""
-    for name in names:
-        path = folder / name
-        if not path.is_file():
-            continue
-        if name.endswith(".safetensors"):
-            from safetensors.torch import load_file
-
-            return load_file(str(path))
-        return torch.load(path, map_location="cpu", weights_only=True)
-    raise ModelLoadError(f"{folder} has none of {', '.join(names)}")

@@ -1,0 +1,189 @@
+"""Token-wise nodes of the embedded backend's graph on live tokens only, for :mod:`qspec.backends.ort_attention`.
+
+With several KV rows the call's live tokens are packed (``[1, live, width]``, :func:`pack_live_tokens`);
+with one, each row is cut to the call's most live tokens (:func:`trim_rows`); either way the graph's
+outputs are put back in the contract's shapes (logits, and :func:`restore_hidden_states`). The module
+docstring of :mod:`qspec.backends.ort_attention` says why and how attention pads around them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from qspec import contract
+
+
+def initializer(graph, name: str, array: np.ndarray):
+    """An initializer ``name`` of ``graph`` holding ``array``."""
+    import onnx_ir as ir
+
+    value = ir.Value(name=name)
+    value.const_value = ir.tensor(array, name=name)
+    value.shape, value.type = ir.Shape(array.shape), ir.TensorType(value.const_value.dtype)
+    graph.register_initializer(value)
+    return value
+
+
+def pack_live_tokens(graph, inputs, shared: dict) -> None:
+    """Run every token-wise node on the call's live tokens only: the embedding reads the live tokens'
+    ids (``[1, live]``), and the final norm and LM head run on the live tokens whose logits the call
+    keeps (the epilogue's ``GatherElements`` picks the last ``num_logits_to_keep`` slots of each row),
+    their logits scattered to ``[batch, keep, vocab]``: a row's entries before its first live token are
+    zeros (the vendor graph repeats the first token's there; no caller reads them).
+
+    With several KV rows a call pads every row to its longest one (a batch-4 K=4 call where one row
+    drafts runs 20 tokens, 8 of them live); the weights' MatMuls then cost what the live tokens cost.
+    Attention moves its live tokens to ``[kv_rows, query]`` and back (:func:`_to_kv_slots`, GatherND).
+    """
+    import onnx_ir as ir
+
+    ids = inputs[contract.INPUT_IDS]
+    embed, (index, logits), pick = token_ends(graph, ids, "packing live tokens")
+    nodes = []
+    op, constant = builder(graph, nodes, "tokens")
+
+    axis0, axis1 = constant("axis0", np.array([0], np.int64)), constant("axis1", np.array([1], np.int64))
+    zero, one = constant("zero", np.array(0, np.int64)), constant("one", np.array(1, np.int64))
+    embed.replace_input_with(1, op("GatherND", ids, shared["live_tokens"]))  # [1, live]
+    # Each live token's entry among its row's kept logits: slot - last + keep - 1 (kept when >= 0).
+    positions = inputs[contract.POSITION_IDS]
+    call_shape = op("Shape", positions)  # [batch, seq]
+    steps = op("Range", zero, op("Gather", call_shape, one), one)
+    valid = op("Cast", op("GreaterOrEqual", positions, zero), to=ir.DataType.INT64)
+    last = op("ReduceMax", op("Mul", valid, steps), axis1, keepdims=0)  # [batch]: each row's last live slot
+    keeps = inputs.get(contract.NUM_LOGITS_TO_KEEP)
+    keep = op("Gather", op("Shape", keeps), zero) if keeps is not None else one
+    entry = op("Sub", op("Add", shared["live_slots"], op("Sub", keep, one)), op("Gather", last, shared["live_rows"]))
+    kept = op("Squeeze", op("NonZero", op("GreaterOrEqual", entry, zero)), axis0)  # [kept]: indices of live tokens
+    hidden = op("Gather", pick.inputs[0], kept, axis=1)  # [1, kept, hidden]
+    targets = op(
+        "Concat",
+        op("Unsqueeze", op("Gather", shared["live_rows"], kept), axis1),
+        op("Unsqueeze", op("Gather", entry, kept), axis1),
+        axis=1,
+    )  # [kept, 2]: row, entry
+    pick.outputs[0].replace_all_uses_with(hidden)
+    vocab = op("Shape", logits, start=2)
+    shape = op("Concat", op("Gather", call_shape, axis0), op("Unsqueeze", keep, axis0), vocab, axis=0)
+    zeros = op("Expand", constant("zero_float", np.zeros(1, np.float32)), shape)
+    scatter = ir.node("ScatterND", [zeros, op("Unsqueeze", targets, axis0), logits], name="tokens.logits")
+    nodes.append(scatter)
+    out = scatter.outputs[0]
+    out.shape, out.type = logits.shape, logits.type
+    logits.name = "tokens.live_logits"
+    out.name = contract.LOGITS
+    graph.outputs[index] = out
+    graph.extend(nodes)
+
+
+def token_ends(graph, ids, purpose: str):
+    """``(embedding, (index, logits), pick)``: the embedding ``Gather`` of ``ids``, the logits output
+    and its index among the graph's outputs, and the epilogue's ``GatherElements`` that picks the
+    hidden states of the kept tokens (found back from the logits through the LM head and the final
+    norm). A ``ValueError`` naming ``purpose`` when either is not found once."""
+    embeds = [node for node, i in ids.uses() if node.op_type == "Gather" and i == 1 and node.inputs[0].is_initializer()]
+    if len(embeds) != 1:
+        raise ValueError(f"{purpose} needs one embedding Gather of input_ids")
+    index, logits = next((i, v) for i, v in enumerate(graph.outputs) if v.name == contract.LOGITS)
+    pick = logits.producer()
+    for _ in range(8):
+        if pick is None or pick.op_type == "GatherElements":
+            break
+        pick = pick.inputs[0].producer()
+    if pick is None or pick.op_type != "GatherElements":
+        raise ValueError(f"{purpose} needs the epilogue's logits GatherElements")
+    return embeds[0], (index, logits), pick
+
+
+def builder(graph, nodes: list, prefix: str):
+    """``op(op_type, *inputs, **attributes)``: a node named ``{prefix}.{op_type}.{n}`` appended to
+    ``nodes``, its output returned; ``constant(name, array)``: an initializer ``{prefix}.{name}``."""
+    import onnx_ir as ir
+
+    def op(op_type: str, *args, **attributes) -> ir.Value:
+        node = ir.node(op_type, list(args), attributes=attributes, name=f"{prefix}.{op_type}.{len(nodes)}")
+        nodes.append(node)
+        return node.outputs[0]
+
+    def constant(name: str, array: np.ndarray) -> ir.Value:
+        return initializer(graph, f"{prefix}.{name}", array)
+
+    return op, constant
+
+
+def trim_rows(graph, inputs, shared: dict) -> None:
+    """Run every node but attention on each row's first ``seq`` tokens (``shared["seq_1d"]``: the
+    call's most live tokens in a row, at least one), for a graph without ``batch_index``.
+
+    Rows are right-padded (the contract's epilogue reads them so): a row's live tokens are its first
+    slots. The embedding reads ``input_ids`` cut to ``seq`` columns; attention pads its q, k, v to
+    ``query`` tokens and slices its output back, as a one-slot graph always did (see the module doc).
+    A K=4 call whose row drafts 2 tokens runs 3 tokens through the MatMuls, not 5. The epilogue's pick
+    of the last ``num_logits_to_keep`` live tokens of each row is recomputed on the trimmed rows (the
+    exported one counts slots up to the hidden states' length, now ``seq``), and the final norm and
+    LM head run on the last ``min(keep, seq)`` picks, the logits padded back to ``keep`` in front.
+    """
+    ids = inputs[contract.INPUT_IDS]
+    embed, (index, logits), pick = token_ends(graph, ids, "trimming rows")
+    nodes = []
+    op, constant = builder(graph, nodes, "rows")
+
+    zero, one = constant("zero", np.array(0, np.int64)), constant("one", np.array(1, np.int64))
+    axis0, axis1 = constant("axis0", np.array([0], np.int64)), constant("axis1", np.array([1], np.int64))
+    axis2 = constant("axis2", np.array([2], np.int64))
+    embed.replace_input_with(1, op("Slice", ids, shared["zero_1d"], shared["seq_1d"], axis1))
+    keeps = inputs.get(contract.NUM_LOGITS_TO_KEEP)
+    keep = op("Gather", op("Shape", keeps), zero) if keeps is not None else one
+    last = op("Max", op("Sub", shared["count"], one), zero)  # [rows]: each row's last live slot (0 when idle)
+    first_kept = op("Sub", last, op("Sub", keep, one))
+    slots = op("Max", op("Add", op("Unsqueeze", first_kept, axis1), op("Range", zero, keep, one)), zero)  # [rows, keep]
+    hidden = pick.inputs[0]
+    shape = op("Concat", op("Shape", slots), op("Shape", hidden, start=2), axis=0)
+    pick.replace_input_with(1, op("Expand", op("Unsqueeze", slots, axis2), shape))
+    # The final norm and LM head run on the last min(keep, most live tokens in a row) picks; the
+    # logits entries before them are zeros (as a packed graph's: no caller reads them).
+    uses = list(pick.outputs[0].uses())
+    kept = op("Min", keep, op("ReduceMax", shared["count"], keepdims=0))
+    skipped = op("Unsqueeze", op("Sub", keep, kept), axis0)
+    picked = op("Slice", pick.outputs[0], skipped, op("Unsqueeze", keep, axis0), axis1)  # [rows, kept, hidden]
+    for node, i in uses:
+        node.replace_input_with(i, picked)
+    zeros_2 = constant("zeros_2", np.zeros(2, np.int64))
+    pads = op("Concat", shared["zero_1d"], skipped, zeros_2, zeros_2, axis=0)
+    out = op("Pad", logits, pads)  # [rows, keep, vocab]
+    out.shape, out.type = logits.shape, logits.type
+    logits.name = "rows.live_logits"
+    out.name = contract.LOGITS
+    graph.outputs[index] = out
+    graph.extend(nodes)
+
+
+def restore_hidden_states(graph, inputs, shared: dict, *, packed: bool) -> None:
+    """The ``hidden_states`` output back in the contract's ``[batch, seq_len, hidden]``: its norm ran on
+    the live tokens only (``[1, live, hidden]`` packed, ``[rows, seq, hidden]`` trimmed); the other
+    entries are zeros (padding has no hidden state a caller reads)."""
+    import onnx_ir as ir
+
+    index, hidden = next((i, v) for i, v in enumerate(graph.outputs) if v.name == contract.HIDDEN_STATES)
+    nodes = []
+    op, constant = builder(graph, nodes, "hidden")
+    one = constant("one", np.array(1, np.int64))
+    axis0 = constant("axis0", np.array([0], np.int64))
+    call_shape = op("Shape", inputs[contract.POSITION_IDS])  # [batch, seq]
+    if packed:
+        shape = op("Concat", call_shape, op("Shape", hidden, start=2), axis=0)
+        zeros = op("Expand", constant("zero_float", np.zeros(1, np.float32)), shape)
+        axis1 = constant("axis1", np.array([1], np.int64))
+        rows, slots = (op("Unsqueeze", shared[name], axis1) for name in ("live_rows", "live_slots"))
+        targets = op("Concat", rows, slots, axis=1)  # [live, 2]: row, slot
+        out = op("ScatterND", zeros, op("Unsqueeze", targets, axis0), hidden)
+    else:
+        missing = op("Sub", op("Gather", call_shape, one), op("Gather", op("Shape", hidden), one))
+        zeros = constant("zeros_4", np.zeros(4, np.int64))
+        pads = op("Concat", zeros, op("Unsqueeze", missing, axis0), constant("zero_1d", np.zeros(1, np.int64)), axis=0)
+        out = op("Pad", hidden, pads)  # [rows, seq, hidden] padded at the end of axis 1
+    out.shape, out.type = ir.Shape(list(hidden.shape)), hidden.type  # a copy: inference may reshape `hidden`
+    hidden.name = "hidden.live_hidden_states"
+    out.name = contract.HIDDEN_STATES
+    graph.outputs[index] = out
+    graph.extend(nodes)
