@@ -4,27 +4,13 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
+from qspec.bench.markdown import fmt, table
 from qspec.bench.plan import QSPEC, TRANSFORMERS
+from qspec.bench.render_micro import micro_sections
 from qspec.bench.report import BenchReport
 from qspec.errors import ConfigError
-
-
-def _fmt(value: Any, digits: int = 2) -> str:
-    if value is None:
-        return "–"
-    if isinstance(value, float):
-        return f"{value:.{digits}f}"
-    return str(value)
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(_fmt(v) if not isinstance(v, str) else v for v in row) + " |" for row in rows]
-    return lines
 
 
 def _calls_per_k(calls: dict[str, int]) -> str:
@@ -79,7 +65,7 @@ def _equality(report: BenchReport) -> list[str]:
         for c in equality.checks
     ]
     header = ["config", "reference", "kind", "equal", "common prefix (mean)", "first mismatches (request@token)"]
-    return lines + [""] + _table(header, rows)
+    return lines + [""] + table(header, rows)
 
 
 def _configs(report: BenchReport) -> list[str]:
@@ -97,8 +83,8 @@ def _configs(report: BenchReport) -> list[str]:
                 o.mean_accepted_tokens,
                 o.acceptance_rate,
                 _calls_per_k(o.calls),
-                _fmt(o.peak_rss_mb, 0),
-                _fmt(o.ratio_to_none, 3),
+                fmt(o.peak_rss_mb, 0),
+                fmt(o.ratio_to_none, 3),
                 f"{max(s.round_other_cpu or [0]):.0%}",
             ]
         )
@@ -116,7 +102,7 @@ def _configs(report: BenchReport) -> list[str]:
         "x none",
         "other CPU (worst round)",
     ]
-    return ["", "## Per configuration", ""] + _table(header, rows)
+    return ["", "## Per configuration", ""] + table(header, rows)
 
 
 def _acceptance(report: BenchReport) -> list[str]:
@@ -143,9 +129,9 @@ def _acceptance(report: BenchReport) -> list[str]:
             for rate, reached in zip(o.acceptance_per_position, o.reached_per_position)
         ]
         cells += ["–"] * (depth - len(cells))
-        rows.append([s.key, o.mean_accepted_tokens, _fmt(o.tokens_per_drafted_call), o.acceptance_rate, *cells])
+        rows.append([s.key, o.mean_accepted_tokens, fmt(o.tokens_per_drafted_call), o.acceptance_rate, *cells])
     header = ["config@batch", "tokens/call", "tokens/drafted call", "acceptance"]
-    return lines + _table(header + [f"draft {i + 1}" for i in range(depth)], rows)
+    return lines + table(header + [f"draft {i + 1}" for i in range(depth)], rows)
 
 
 def _categories(report: BenchReport, batch: int) -> list[str]:
@@ -158,101 +144,9 @@ def _categories(report: BenchReport, batch: int) -> list[str]:
         row = [category]
         for s in group:
             cell = s.per_category.get(category)
-            row.append("–" if cell is None else f"{cell.requests_per_s:.3f} ({_fmt(cell.ratio_to_none, 2)}×)")
+            row.append("–" if cell is None else f"{cell.requests_per_s:.3f} ({fmt(cell.ratio_to_none, 2)}×)")
         rows.append(row)
-    return lines + _table(["category", *(s.name for s in group)], rows)
-
-
-def _micro(report: BenchReport) -> list[str]:
-    micro = report.micro
-    if not micro:
-        return []
-    lines = [
-        "",
-        "## One call per specialization",
-        "",
-        f"Copy bandwidth {micro.copy_bandwidth_gb_s} GB/s (numpy copy, read + write counted); "
-        "floor = the package's own weight bytes (its weight format's) / bandwidth. Graph: the package's "
-        "ONNX Runtime graph (runtime), or model.onnx as the qaic backend compiles it (vendor: explicit "
-        "attention over the compute-context-length bucket's slots).",
-        "",
-    ]
-    rows = [
-        [
-            p.weight_format,
-            p.graph,
-            p.batch,
-            c.specialization,
-            c.shape,
-            c.tokens_per_call,
-            c.median_ms,
-            f"{p.floor_ms} ({p.weight_bytes / 1e6:.0f} MB)",
-            c.ratio_to_floor,
-        ]
-        for p in micro.packages
-        for c in p.calls
-    ]
-    header = ["weights", "graph", "batch", "specialization", "shape", "tokens/call", "median ms"]
-    header += ["floor ms (bytes)", "x floor"]
-    return lines + _table(header, rows) + _head_calls(micro) + _prefill_chunks(micro)
-
-
-def _head_calls(micro) -> list[str]:
-    """One call per specialization of each package's draft head, against the target's K=0 call."""
-    if not micro.heads:
-        return []
-    lines = [
-        "",
-        "## Draft head calls",
-        "",
-        "One call per specialization of each package's draft head in its own ONNX Runtime session, as the runtime "
-        "runs it. EAGLE: a step drafting d tokens costs one catch-up call (its width: the pairs since the last "
-        "step, up to K + 1) and d - 1 chained `seq_len=1` calls; Medusa: one call per step whatever d. x target "
-        "K=0: the head call against the same package's cheapest decode call.",
-        "",
-    ]
-    rows = [
-        [
-            h.weight_format,
-            h.batch,
-            h.method,
-            c.specialization,
-            c.shape,
-            _fmt(c.median_ms, 3),
-            _fmt(h.target_k0_ms),
-            _fmt(c.median_ms / h.target_k0_ms if h.target_k0_ms else None, 3),
-            f"{h.floor_ms} ({h.weight_bytes / 1e6:.1f} MB)",
-            c.ratio_to_floor,
-        ]
-        for h in micro.heads
-        for c in h.calls
-    ]
-    header = ["weights", "batch", "head", "specialization", "shape", "median ms", "target K=0 ms", "x target K=0"]
-    return lines + _table(header + ["floor ms (bytes)", "x floor"], rows)
-
-
-def _prefill_chunks(micro) -> list[str]:
-    """TTFT per prefill chunk size, each format against its package's own chunk size."""
-    if not micro.prefill:
-        return []
-    lines = [
-        "",
-        "## TTFT per prefill chunk size",
-        "",
-        f"Batch 1, `none`, the first turn of {micro.prefill_prompts} prompts, {micro.prefill_rounds} rounds "
-        "interleaved prompt by prompt; each batch-1 package loaded once per size with that "
-        "`prefill_seq_len` (what it runs compiled with `--prefill-seq-len`). Calls per prompt: prefill "
-        "chunks plus the decode-shape calls that finish a prompt's tail. **Bold**: the package's own size.",
-        "",
-    ]
-    own = {c.weight_format: c.ttft_median_ms for c in micro.prefill if c.package_default}
-    rows = []
-    for c in micro.prefill:
-        size = f"**{c.prefill_seq_len}**" if c.package_default else str(c.prefill_seq_len)
-        ratio = _fmt(c.ttft_median_ms / own[c.weight_format], 2) if c.weight_format in own else "–"
-        rows.append([c.weight_format, size, c.ttft_median_ms, c.prefill_calls_per_prompt, ratio])
-    header = ["weights", "prefill_seq_len", "TTFT ms (median)", "calls per prompt", "x own size"]
-    return lines + _table(header, rows)
+    return lines + table(["category", *(s.name for s in group)], rows)
 
 
 def _formats(report: BenchReport) -> list[str]:
@@ -272,14 +166,14 @@ def _formats(report: BenchReport) -> list[str]:
             [
                 weight_format,
                 none.overall.output_tokens_per_s,
-                _fmt(none.overall.output_tokens_per_s / primary.overall.output_tokens_per_s, 3)
+                fmt(none.overall.output_tokens_per_s / primary.overall.output_tokens_per_s, 3)
                 if primary.overall.output_tokens_per_s
                 else "–",
                 best.name if best else "–",
                 best.overall.output_tokens_per_s if best else None,
-                _fmt(best.overall.ratio_to_none, 3) if best else "–",
+                fmt(best.overall.ratio_to_none, 3) if best else "–",
                 f"{check.equal}/{check.total}" if check else "–",
-                _fmt(check.mean_common_prefix, 3) if check else "–",
+                fmt(check.mean_common_prefix, 3) if check else "–",
             ]
         )
     header = [
@@ -301,7 +195,7 @@ def _formats(report: BenchReport) -> list[str]:
         "(agreement, not a gate).",
         "",
     ]
-    return lines + _table(header, rows)
+    return lines + table(header, rows)
 
 
 def _ceilings(report: BenchReport) -> list[str]:
@@ -336,9 +230,9 @@ def _ceilings(report: BenchReport) -> list[str]:
             c.positions,
             c.drafted_positions,
             c.oracle_calls,
-            _fmt(c.oracle_x_none, 3),
-            _fmt(c.measured_x_none, 3),
-            _fmt(c.captured),
+            fmt(c.oracle_x_none, 3),
+            fmt(c.measured_x_none, 3),
+            fmt(c.captured),
         ]
         for c in report.ceilings
     ]
@@ -353,7 +247,7 @@ def _ceilings(report: BenchReport) -> list[str]:
         "measured x none",
         "captured",
     ]
-    return lines + _table(header, rows)
+    return lines + table(header, rows)
 
 
 def _memory(report: BenchReport) -> list[str]:
@@ -372,13 +266,13 @@ def _memory(report: BenchReport) -> list[str]:
         [key, p.specializations, p.rss_loaded_mb, p.rss_after_generate_mb, p.peak_rss_mb]
         for key, p in memory.probes.items()
     ]
-    lines += _table(["config", "specializations", "RSS loaded MB", "RSS after generate MB", "peak RSS MB"], rows)
+    lines += table(["config", "specializations", "RSS loaded MB", "RSS after generate MB", "peak RSS MB"], rows)
     if memory.ratio:
         lines += [
             "",
             f"Peak RSS with {memory.many_label}: {memory.many_peak_mb:.0f} MB, "
             f"{memory.ratio:.3f} × the K=0 package's {memory.one_peak_mb:.0f} MB "
-            f"(`none` on both packages: {_fmt(memory.none_ratio, 3)} ×).",
+            f"(`none` on both packages: {fmt(memory.none_ratio, 3)} ×).",
         ]
     return lines
 
@@ -409,13 +303,13 @@ def _peers(report: BenchReport) -> list[str]:
                     s.key,
                     o.output_tokens_per_s,
                     reference.key if reference else "–",
-                    _fmt(o.output_tokens_per_s / speed if speed else None, 3),
+                    fmt(o.output_tokens_per_s / speed if speed else None, 3),
                     o.ttft_ms_median,
                     o.tpot_ms_median,
                     o.mean_accepted_tokens,
                     o.acceptance_rate,
                     f"{check.equal}/{check.total}" if check else "–",
-                    _fmt(check.mean_common_prefix, 3) if check else "–",
+                    fmt(check.mean_common_prefix, 3) if check else "–",
                 ]
             )
         header = [
@@ -430,14 +324,14 @@ def _peers(report: BenchReport) -> list[str]:
             "equal to reference",
             "common prefix (mean)",
         ]
-        lines += _table(header, rows)
+        lines += table(header, rows)
     builds = [(backend, b) for backend, info in report.meta.runners.items() for b in info.builds]
     if builds:
         lines += ["", "Model files the peers run (a cached one shows the time it took when it was built):", ""]
-        lines += _table(
+        lines += table(
             ["backend", "what", "build s", "cached", "MB", "command"],
             [
-                [backend, b.what, b.build_s, "yes" if b.cached else "no", _fmt(b.size_mb, 0), f"`{b.command}`"]
+                [backend, b.what, b.build_s, "yes" if b.cached else "no", fmt(b.size_mb, 0), f"`{b.command}`"]
                 for backend, b in builds
             ],
         )
@@ -452,7 +346,7 @@ def render_markdown(report: BenchReport) -> str:
     lines += _ceilings(report) + _peers(report)
     for batch in report.meta.options.batch_sizes:
         lines += _categories(report, batch)
-    return "\n".join(lines + _micro(report) + _memory(report)) + "\n"
+    return "\n".join(lines + micro_sections(report) + _memory(report)) + "\n"
 
 
 def plot_throughput(report: BenchReport, path: Path) -> None:
