@@ -55,7 +55,8 @@ from __future__ import annotations
 import numpy as np
 
 from qspec import contract
-from qspec.backends.ort_tokens import builder, initializer, pack_live_tokens, restore_hidden_states
+from qspec.backends import ort_tokens
+from qspec.backends.ort_tokens import builder, initializer
 from qspec.package import MIN_QUERY_TOKENS, AttentionInfo
 
 MS_DOMAIN = "com.microsoft"
@@ -191,11 +192,11 @@ def fuse_attention(
         _retain(graph, outputs, (past_key, gqa.outputs[1]), (past_value, gqa.outputs[2]))
     graph.extend(nodes)
     if pack_tokens:
-        pack_live_tokens(graph, inputs, shared)
+        ort_tokens.pack_live_tokens(graph, inputs, shared)
     if trim_rows:
-        trim_rows(graph, inputs, shared)
+        ort_tokens.trim_rows(graph, inputs, shared)
     if (pack_tokens or trim_rows) and contract.HIDDEN_STATES in outputs:
-        restore_hidden_states(graph, inputs, shared, packed=pack_tokens)
+        ort_tokens.restore_hidden_states(graph, inputs, shared, packed=pack_tokens)
     graph.sort()
     model.opset_imports[MS_DOMAIN] = 1
     from onnxscript import optimizer
