@@ -8,7 +8,13 @@ from typing import Annotated, Any, Optional
 import typer
 from qspec_cli.common import DispatchOption, DraftPackageOption, cli_errors, console, escape
 
-MethodOption = Annotated[str, typer.Option(help="Speculative method: none, pld (alias ngram), suffix or draft.")]
+MethodOption = Annotated[
+    str,
+    typer.Option(
+        help="Speculative method: none, pld (alias ngram), suffix, draft, or with a package's draft head "
+        "(compile --draft-head) eagle, medusa, eagle+pld, medusa+pld."
+    ),
+]
 
 
 def _require_serve_extra() -> None:
@@ -29,7 +35,7 @@ def method_options(
 ) -> dict[str, Any]:
     from qspec.errors import ConfigError
 
-    if method in ("pld", "ngram"):
+    if method in ("pld", "ngram", "eagle+pld", "medusa+pld"):
         return {"prompt_lookup_min": prompt_lookup_min, "prompt_lookup_max": prompt_lookup_max}
     if method == "draft":
         if draft_package is None:
