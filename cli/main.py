@@ -312,7 +312,9 @@ def generate(
     max_new_tokens: Annotated[
         int, typer.Option(help="Most tokens to generate per prompt (prompt + this must fit the package's ctx_len).")
     ] = 128,
-    method: Annotated[str, typer.Option(help="none, pld (alias ngram), suffix or draft.")] = "pld",
+    method: Annotated[
+        str, typer.Option(help="none, pld (alias ngram), suffix, draft; with a draft head: eagle, medusa, eagle+pld.")
+    ] = "pld",
     prompt_lookup_min: Annotated[int, typer.Option(help="pld: smallest n-gram to match.")] = 1,
     prompt_lookup_max: Annotated[int, typer.Option(help="pld: largest n-gram to match.")] = 3,
     draft_package: DraftPackageOption = None,
