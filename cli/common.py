@@ -106,12 +106,6 @@ def cli_errors() -> Iterator[None]:
         raise fail(f"{type(exc).__name__}: {exc} (rerun with --debug for the traceback)") from None
 
 
-def run_guarded(work: Callable[[], None]) -> None:
-    """Run ``work()`` inside :func:`cli_errors`."""
-    with cli_errors():
-        work()
-
-
 @contextlib.contextmanager
 def status(title: str) -> Iterator[Callable[[str], None]]:
     """A rich spinner on stderr; yields ``say(message)`` that updates it and logs the phase."""

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from qspec_cli.common import console, run_guarded
+from qspec_cli.common import cli_errors, console
 
 
 def train_head(
@@ -39,7 +39,7 @@ def train_head(
 ) -> None:
     """Self-distill a draft head (EAGLE or Medusa) from PACKAGE's own hidden states and greedy answers."""
 
-    def work() -> None:
+    with cli_errors():
         from qspec.heads.distill import DistillOptions, distill_head
         from qspec.heads.train import TrainOptions
 
@@ -73,5 +73,3 @@ def train_head(
             f"wrote {output} ({method}, draft vocabulary {log['draft_vocab']}, {log['train_positions']} training "
             f"positions): held-out chain accuracy {last['held_out_chain_accuracy']}"
         )
-
-    run_guarded(work)

@@ -25,7 +25,6 @@ from qspec_cli.common import (
     cli_errors,
     console,
     escape,
-    run_guarded,
     status,
 )
 
@@ -109,7 +108,7 @@ def compile(
 ) -> None:
     """Export MODEL and compile one prefill + one decode specialization per K into a package."""
 
-    def work() -> None:
+    with cli_errors():
         from qspec.backends.qaic import QaicOptions
         from qspec.compile import CompileOptions, compile_package
         from qspec.errors import ConfigError
@@ -184,8 +183,6 @@ def compile(
                 print(f"qaic: {note}")
             if not qaic.ran:
                 print(f"qaic-compile not found: the command is in {folder / qaic.script}")
-
-    run_guarded(work)
 
 
 @app.command()
