@@ -292,7 +292,7 @@ def _relative(path: str | os.PathLike[str], package_dir: Path) -> str:
     return os.path.relpath(path, package_dir)
 
 
-def _write_executable(path: Path, text: str) -> None:
+def write_executable(path: Path, text: str) -> None:
     write_text_atomic(path, text)
     path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
 
@@ -419,7 +419,7 @@ def prepare_qaic(
         precisions=precisions,
         mdp_path=mdp_rel,
     )
-    _write_executable(package_dir / SCRIPT_FILE, compile_script(argv))
+    write_executable(package_dir / SCRIPT_FILE, compile_script(argv))
     if compiler is not None:
         run_compiler(argv, cwd=package_dir)
     return QaicResult(

@@ -19,7 +19,6 @@ import hashlib
 import json
 import os
 import shutil
-import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -40,6 +39,7 @@ from qspec.backends.qaic import (
     find_compiler,
     qaic_compile_argv,
     run_compiler,
+    write_executable,
 )
 from qspec.common import write_text_atomic
 from qspec.errors import CompileError, ConfigError
@@ -166,9 +166,7 @@ def prepare_head_qaic(head_dir: Path, method: str, options: QaicOptions, *, run:
         qpc_dir=QPC_DIR,
         options=options,
     )
-    script = head_dir / SCRIPT_FILE
-    write_text_atomic(script, compile_script(argv))
-    script.chmod(script.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    write_executable(head_dir / SCRIPT_FILE, compile_script(argv))
     if compiler is not None:
         run_compiler(argv, cwd=head_dir)
     return QaicResult(
