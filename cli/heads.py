@@ -20,7 +20,13 @@ def train_head(
         Optional[Path],
         typer.Option(help='JSON lines of prompts ({"messages": [...]} or {"prompt": ...}); default: chit-chat.'),
     ] = None,
-    prompts: Annotated[int, typer.Option(help="Prompts the package answers (its greedy output is the data).")] = 1500,
+    prompts: Annotated[
+        int, typer.Option(help="Chit-chat prompts the package answers (its greedy output is the data).")
+    ] = 1500,
+    instructions: Annotated[
+        int, typer.Option(help="Instructions of eight kinds (writing, coding, math, ...) the package answers.")
+    ] = 0,
+    code: Annotated[int, typer.Option(help="Standard-library functions teacher-forced as answers.")] = 0,
     dialogues: Annotated[int, typer.Option(help="Chit-chat dialogues teacher-forced through the package.")] = 500,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens of each generated answer, at most.")] = 128,
     epochs: Annotated[int, typer.Option(help="Training epochs.")] = 4,
@@ -53,7 +59,13 @@ def train_head(
             threads=threads,
         )
         distill = DistillOptions.create(
-            prompts=prompts, dialogues=dialogues, prompts_file=data, max_new_tokens=max_new_tokens, seed=seed
+            prompts=prompts,
+            instructions=instructions,
+            code=code,
+            dialogues=dialogues,
+            prompts_file=data,
+            max_new_tokens=max_new_tokens,
+            seed=seed,
         )
         work = work_dir or output.parent / f".{output.name}-work"
         log = distill_head(

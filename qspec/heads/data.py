@@ -84,6 +84,55 @@ def chat_prompts(count: int, *, seed: int = 0) -> list[list[dict]]:
     return prompts
 
 
+def instruction_prompts(count: int, *, seed: int = 0) -> list[list[dict]]:
+    """``count`` one-turn instructions of eight kinds (:mod:`qspec.heads.prompts`), their topics and quoted
+    texts taken from the chit-chat dialogues."""
+    from qspec.heads.prompts import instruction_prompt
+
+    rng = random.Random(seed + 1)
+    turns = [t for d in chitchat_dialogues().values() for t in _turns(d) if 20 <= len(t) <= 300]
+    prompts = []
+    for i in range(count):
+        text = rng.choice(turns)
+        words = [w.strip(".,!?\"'").lower() for w in text.split()]
+        words = [w for w in words if len(w) > 5 and w.isalpha()] or ["friendship"]
+        prompts.append([{"role": "user", "content": instruction_prompt(i, rng, rng.choice(words), text)}])
+    return prompts
+
+
+def code_records(count: int, tokenizer, *, max_tokens: int = 512, seed: int = 0) -> list[dict]:
+    """``count`` chats to teacher-force: a request for a function of Python's standard library (its name,
+    signature and the first line of its docstring) and the function's source as the answer."""
+    import ast
+    import sysconfig
+
+    rng = random.Random(seed)
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    rng.shuffle(files)
+    records: list[dict] = []
+    for path in files:
+        try:
+            source = path.read_text()
+            tree = ast.parse(source)
+        except (SyntaxError, UnicodeDecodeError):
+            continue
+        for node in ast.walk(tree):
+            doc = ast.get_docstring(node) if isinstance(node, ast.FunctionDef) else None
+            if not doc or node.name.startswith("_") or not 4 <= node.end_lineno - node.lineno <= 40:
+                continue
+            code = ast.get_source_segment(source, node)
+            if code is None:
+                continue
+            ask = f"Write a Python function `{node.name}` that does this: {doc.splitlines()[0].strip()}"
+            answer = f"Here is the function:\n\n```python\n{code}\n```"
+            messages = [{"role": "user", "content": ask}, {"role": "assistant", "content": answer}]
+            ids = tokenizer.encode_chat(messages)[:max_tokens]
+            records.append({"prompt_ids": [int(t) for t in ids], "answer_ids": []})
+            if len(records) == count:
+                return records
+    return records
+
+
 def dialogue_records(count: int, tokenizer, *, max_tokens: int = 512, skip: int = 0) -> list[dict]:
     """``count`` whole chit-chat dialogues through the chat template (speakers as user and assistant), cut to
     ``max_tokens``: text to teacher-force (its labels are the target's own greedy predictions, computed

@@ -2,9 +2,10 @@
 
 ::
 
-    prompts ──► answers.jsonl (the package's greedy answers) ─┐
-    dialogues (teacher-forced text) ──────────────────────────┼─► features-*.npz ──► train ──► head folder
-                                                              ┘   (the package's hidden states)
+    chit-chat prompts ──► answers.jsonl ──────────────┐
+    instructions ──► answers-instructions.jsonl ──────┤ (the package's greedy answers)
+    code (standard-library functions, teacher-forced) ┼─► features-*.npz ──► train ──► head folder
+    dialogues (teacher-forced chit-chat) ─────────────┘   (the package's hidden states)
 
 Every phase writes its output into ``work_dir`` and is skipped when that output is there, so a stopped
 run resumes; training resumes from its last epoch. The package must have the ``hidden_states`` output
@@ -29,7 +30,9 @@ Progress = Callable[[str], None]
 class DistillOptions(FrozenModel):
     """What data a head is distilled from."""
 
-    prompts: int = Field(default=1500, ge=0)  # chat prompts the package answers (its own greedy output)
+    prompts: int = Field(default=1500, ge=0)  # chit-chat prompts the package answers (its own greedy output)
+    instructions: int = Field(default=0, ge=0)  # instructions of eight kinds the package answers
+    code: int = Field(default=0, ge=0)  # standard-library functions teacher-forced as answers to requests
     dialogues: int = Field(default=500, ge=0)  # whole dialogues teacher-forced through the package
     prompts_file: Path | None = None  # JSON lines of {"messages": [...]} or {"prompt": "..."}; default chit-chat
     max_new_tokens: int = Field(default=128, ge=1)
@@ -74,7 +77,7 @@ def distill_head(
     progress: Progress | None = None,
 ) -> dict:
     """Answers, features, training: the head in ``output`` (EAGLE-1 or Medusa layout) and its training log."""
-    from qspec.heads.data import chat_prompts, dialogue_records, generate_answers
+    from qspec.heads.data import chat_prompts, code_records, dialogue_records, instruction_prompts
     from qspec.package import check_package
     from qspec.runtime.tokenizer import Tokenizer
 
@@ -88,21 +91,38 @@ def distill_head(
         prompts = (
             read_prompts_file(data.prompts_file) if data.prompts_file else chat_prompts(data.prompts, seed=data.seed)
         )
-        answers = work_dir / "answers.jsonl"
-        say(f"answering {len(prompts)} prompts with {package}")
-        records = generate_answers(package, prompts, answers, max_new_tokens=data.max_new_tokens, progress=say)
-        features.append(_features(package, records, work_dir / "features-answers.npz", say))
+        features.append(_answered(package, prompts, work_dir, "answers", data, say))
+    if data.instructions:
+        prompts = instruction_prompts(data.instructions, seed=data.seed)
+        features.append(_answered(package, prompts, work_dir, "answers-instructions", data, say))
+    tokenizer = Tokenizer(package / "tokenizer")
+    if data.code:
+        records = code_records(data.code, tokenizer, seed=data.seed)
+        features.append(_features(package, records, work_dir / "features-code.npz", say))
     if data.dialogues:
-        tokenizer = Tokenizer(package / "tokenizer")
         records = dialogue_records(data.dialogues, tokenizer, skip=data.seed * data.dialogues)
         features.append(_features(package, records, work_dir / "features-dialogues.npz", say))
     if not features:
-        raise ConfigError("no training data: give --prompts or --dialogues above 0")
+        raise ConfigError("no training data: give --prompts, --instructions, --code or --dialogues above 0")
     say(f"loading the target model {target or manifest.model.source}")
     model = load_target(target or manifest.model.source)
     from qspec.heads.train import train_head
 
     return train_head(features, model, output, train, state_dir=work_dir, progress=say)
+
+
+def _answered(package: Path, prompts: list, work_dir: Path, name: str, data: DistillOptions, say: Progress) -> Path:
+    """The package's greedy answers to ``prompts`` (``NAME.jsonl``) and their features (``features-NAME.npz``)."""
+    from qspec.heads.data import generate_answers
+
+    features = work_dir / f"features-{name}.npz"
+    if features.is_file():
+        return features
+    say(f"answering {len(prompts)} prompts with {package}")
+    records = generate_answers(
+        package, prompts, work_dir / f"{name}.jsonl", max_new_tokens=data.max_new_tokens, progress=say
+    )
+    return _features(package, records, features, say)
 
 
 def _features(package: Path, records: list[dict], path: Path, say: Progress) -> Path:
