@@ -29,6 +29,10 @@ def train_head(
     code: Annotated[int, typer.Option(help="Standard-library functions teacher-forced as answers.")] = 0,
     dialogues: Annotated[int, typer.Option(help="Chit-chat dialogues teacher-forced through the package.")] = 500,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens of each generated answer, at most.")] = 128,
+    answer_with: Annotated[
+        str,
+        typer.Option(help="package (its exact greedy text, one slot) or source (the model it came from, batched)."),
+    ] = "package",
     epochs: Annotated[int, typer.Option(help="Training epochs.")] = 4,
     draft_vocab: Annotated[int, typer.Option(help="Draft vocabulary: the most frequent greedy tokens.")] = 8192,
     medusa_heads: Annotated[int, typer.Option(help="medusa: heads (drafts per call).")] = 3,
@@ -63,6 +67,7 @@ def train_head(
             instructions=instructions,
             code=code,
             dialogues=dialogues,
+            answer_with=answer_with,
             prompts_file=data,
             max_new_tokens=max_new_tokens,
             seed=seed,

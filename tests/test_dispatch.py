@@ -294,3 +294,22 @@ def test_each_row_goes_as_deep_as_its_match_class_pays():
         dispatcher.observe_acceptance(proposed=4, accepted=0, match_len=1)
     offer = [Proposal(np.array([7, 8, 9, 10]), match_len=m) for m in (3, 1, 1, 2)]
     assert dispatcher.plan(offer, greedy=True) == (4, [4, 0, 0, 1])
+
+
+def test_a_heads_sure_drafts_are_verified_and_its_guesses_dropped():
+    """Head drafts carry their first draft's probability: a dispatcher that has seen the head's drafts at
+    0.9 pass and at 0.1 fail verifies the sure row's draft and drops the unsure one's in the same call;
+    lookup's match-length classes are apart from them."""
+    prices = CallCosts({0: 24.0, 4: 24.0}, per_token=1.0, measured_tokens={0: 4, 4: 4})
+    dispatcher = Dispatcher([0, 4], mode="cost", prices=prices)
+    sure, unsure = Proposal(np.array([7]), confidence=0.93), Proposal(np.array([7]), confidence=0.12)
+    assert (sure.dispatch_class, unsure.dispatch_class, Proposal(np.array([7]), match_len=2).dispatch_class) == (
+        -10,
+        -2,
+        2,
+    )
+    for _ in range(50):
+        dispatcher.observe_acceptance(proposed=1, accepted=1, match_len=sure.dispatch_class)
+        dispatcher.observe_acceptance(proposed=1, accepted=0, match_len=unsure.dispatch_class)
+    assert dispatcher.plan([sure, unsure], greedy=True) == (4, [1, 0])
+    assert dispatcher.stats.counts(0)[0].sum() == 0  # lookup's classes saw nothing

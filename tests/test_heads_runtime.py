@@ -90,6 +90,28 @@ def test_eagle_chain_stops_below_the_threshold():
     assert len(head.calls) == 1
 
 
+def test_head_proposals_carry_the_first_drafts_probability():
+    """EAGLE and Medusa proposals say how sure the head was of the first draft: cost dispatch keeps one
+    acceptance estimate per tenth of it (Proposal.dispatch_class), apart from lookup's match lengths."""
+    head = ScriptedHead(probs={5: 0.93, 6: 0.5})
+    proposer = eagle(head, threshold=0.2)
+    proposer.start("a", [0, 1, 2, 3, 4])
+    proposer.observe_hidden("a", 0, features(0, 5))
+    proposer.extend("a", [5])
+    (proposal,) = proposer.propose_batch([("a", 3)])
+    assert proposal.tokens.tolist() == [6, 7, 8] and abs(proposal.confidence - 0.93) < 1e-6
+    assert proposal.dispatch_class == -10 and proposal.cut(1).dispatch_class == -10
+
+    medusa = MedusaProposer(
+        ScriptedMedusa([0.35, 0.9, 0.8]), None, ctx_len=0, hidden_size=HIDDEN, rows=1, threshold=0.5
+    )
+    medusa.check_target(vocab_size=VOCAB, ctx_len=64, num_slots=1)
+    medusa.start("b", [1, 2])
+    medusa.observe_hidden("b", 0, features(0, 2))
+    (proposal,) = medusa.propose_batch([("b", 3)])
+    assert abs(proposal.confidence - 0.35) < 1e-6 and proposal.dispatch_class == -4
+
+
 def test_eagle_long_prompt_catches_up_in_widest_chunks():
     """A 20-token prompt catches up in calls of the widest compiled shape (8): pairs 0..7, 8..15, 16..19."""
     head = ScriptedHead()

@@ -195,6 +195,56 @@ def generate_answers(
     return done
 
 
+def generate_answers_torch(
+    model,
+    package: Path,
+    prompts: list[list[dict]],
+    output: Path,
+    *,
+    max_new_tokens: int = 128,
+    batch: int = 32,
+    progress: Progress | None = None,
+) -> list[dict]:
+    """Greedy answers of the Hugging Face ``model`` the package was compiled from, ``batch`` prompts a call
+    (left-padded): many times the package's one-slot rate on the CPU. The features and labels still come
+    from the package (:func:`collect_features`); only the answer text is the source model's. Appends to
+    ``output`` and resumes like :func:`generate_answers`."""
+    import torch
+
+    from qspec.package import check_package
+    from qspec.runtime.tokenizer import Tokenizer
+
+    say = progress or (lambda message: None)
+    done = read_records(output)
+    manifest = check_package(package)
+    tokenizer = Tokenizer(package / "tokenizer")
+    eos = sorted(set(manifest.model.eos_token_ids) | {tokenizer.eos_token_id} - {None})
+    encoded = [tokenizer.encode_chat(p) for p in prompts]
+    encoded = [ids for ids in encoded if len(ids) + max_new_tokens <= manifest.specializations[0].ctx_len]
+    with output.open("a") as sink, torch.inference_mode():
+        for at in range(len(done), len(encoded), batch):
+            chunk = encoded[at : at + batch]
+            width = max(map(len, chunk))
+            ids = torch.tensor([[eos[0]] * (width - len(c)) + c for c in chunk])
+            mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in chunk])
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=eos,
+                pad_token_id=eos[0],
+            )
+            for prompt_ids, row in zip(chunk, out[:, width:].tolist()):
+                answer = next((row[: i + 1] for i, t in enumerate(row) if t in eos), row)
+                record = {"prompt_ids": prompt_ids, "answer_ids": answer}
+                sink.write(json.dumps(record) + "\n")
+                done.append(record)
+            sink.flush()
+            say(f"answers {len(done)}/{len(encoded)}, {sum(len(r['answer_ids']) for r in done)} tokens")
+    return done
+
+
 def hidden_rows(model, sequence: list[int]) -> np.ndarray:
     """``[len(sequence), hidden]`` fp16: the final-norm hidden state of every token of ``sequence``, prefilled
     into slot 0 of ``model`` (a loaded package with the ``hidden_states`` output)."""

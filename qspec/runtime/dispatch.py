@@ -225,9 +225,9 @@ def _median(values) -> float:
 
 class AcceptanceStats:
     """Running estimates of ``c_i``, the chance that draft ``i`` (1-based) is accepted given that drafts
-    ``1..i-1`` were, one set per proposal class (:attr:`Proposal.match_len`): how far a prompt-lookup
+    ``1..i-1`` were, one set per proposal class (:attr:`Proposal.dispatch_class`): how far a prompt-lookup
     draft gets depends on what it continues (a draft after a 3-gram match is accepted far more often
-    than one after a 1-gram match).
+    than one after a 1-gram match), a head's draft on how sure the head was.
 
     A class's ``c_1`` starts from every class's pooled ``c_1`` (itself from 0.5), and a deeper ``c_i``
     from the class's own ``c_{i-1}``, each worth :data:`PRIOR_WEIGHT` observations: a class seen a few
@@ -337,7 +337,7 @@ class Dispatcher:
         if self.step_mode(greedy=greedy) != "cost":
             k = pick_k(self.ks, max(lengths))
             return k, [min(n, k) for n in lengths]
-        chains = [self.stats.chain(p.match_len) for p in proposals]
+        chains = [self.stats.chain(p.dispatch_class) for p in proposals]
         k, depths = plan_by_cost(self.ks, self.prices.price, lengths, chains)
         if any(depths):
             self._unverified = 0
@@ -354,6 +354,7 @@ class Dispatcher:
             self.prices.observe(k, ms, live_tokens)
 
     def observe_acceptance(self, proposed: int, accepted: int, match_len: int = 0) -> None:
-        """A row verified ``proposed`` drafts of class ``match_len`` and ``accepted`` of them passed."""
+        """A row verified ``proposed`` drafts of class ``match_len`` (:attr:`Proposal.dispatch_class`) and
+        ``accepted`` of them passed."""
         if proposed:
             self.stats.observe(proposed, accepted, match_len)

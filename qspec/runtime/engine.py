@@ -258,7 +258,7 @@ class Engine:
             row = logits[seq.slot, k - n : k + 1]  # right-aligned: the last n + 1 real tokens
             tokens = self.accept(seq, proposal, row)
             seq.metrics.target_call(k, proposed=n, accepted=len(tokens) - 1)
-            self.dispatcher.observe_acceptance(n, len(tokens) - 1, proposal.match_len)
+            self.dispatcher.observe_acceptance(n, len(tokens) - 1, proposal.dispatch_class)
             if hidden is not None:  # the rows of `last` and the accepted drafts: each precedes an emitted token
                 self.proposer.observe_hidden(seq.index, seq.position, hidden[seq.slot, : len(tokens)])
             seq.position += len(tokens)  # `last` and the accepted drafts are now in the cache

@@ -65,6 +65,7 @@ class _Row:
     feature: np.ndarray | None = None  # the head's predicted feature after the last draft
     going: bool = True
     confidence: float = 1.0  # product of the drafts' probabilities: how likely the whole chain is right
+    first: float = 0.0  # the first draft's probability (Proposal.confidence)
 
 
 class HeadGraph:
@@ -183,7 +184,8 @@ class EagleProposer(HiddenStateProposer):
         out = []
         for rid, cap in items:
             row = by_request.get(id(self._requests[rid])) if cap > 0 else None
-            out.append(Proposal(np.asarray(row.drafts, np.int64)) if row and row.drafts else Proposal.empty())
+            drafts = np.asarray(row.drafts, np.int64) if row and row.drafts else None
+            out.append(Proposal(drafts, confidence=row.first) if drafts is not None else Proposal.empty())
         return out
 
     def _call(self, rows: list[_Row], pieces: list[tuple[list[int], np.ndarray, int]]) -> dict[str, np.ndarray]:
@@ -236,6 +238,7 @@ class EagleProposer(HiddenStateProposer):
             return
         row.drafts.append(int(self.to_target(top)[0]))
         row.feature, row.confidence = feature, confidence
+        row.first = row.first or confidence
         row.going = len(row.drafts) < row.cap and confidence >= self.threshold
 
     def _chain(self, rows: list[_Row]) -> None:
@@ -258,6 +261,7 @@ class MedusaProposer(HiddenStateProposer):
     def propose_batch(self, items: Sequence[tuple[RequestId, int]]) -> list[Proposal]:
         live = [(rid, cap) for rid, cap in items if cap > 0]
         drafts: dict[RequestId, np.ndarray] = {}
+        sure: dict[RequestId, float] = {}
         if live:
             hidden = np.stack([self._requests[rid].hidden[self._requests[rid].known - 1] for rid, _ in live])
             logits = self.head.run({contract.HIDDEN_STATES: hidden[:, None]})[contract.LOGITS]  # [rows, heads, V]
@@ -269,7 +273,8 @@ class MedusaProposer(HiddenStateProposer):
                 if keep and prob[0] < self.threshold:
                     keep = 1
                 drafts[rid] = self.to_target(top[:keep]).astype(np.int64)
-        return [Proposal(drafts[rid]) if rid in drafts else Proposal.empty() for rid, _ in items]
+                sure[rid] = float(prob[0])
+        return [Proposal(drafts[rid], confidence=sure[rid]) if rid in drafts else Proposal.empty() for rid, _ in items]
 
 
 class LookupFirstProposer(Proposer):

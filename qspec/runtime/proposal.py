@@ -24,6 +24,7 @@ import numpy as np
 from qspec.runtime.sampling import SamplingParams
 
 RequestId = Hashable
+CONFIDENCE_CLASSES = 10  # Proposal.dispatch_class: a draft's confidence in tenths
 Tokens = np.ndarray | Sequence[int]
 
 
@@ -43,13 +44,17 @@ class Proposal:
     greedy draft models). The verifier's ``min(1, p / q)`` rule needs it.
 
     ``match_len``: how long a match of the history the drafts continue (prompt lookup: the n-gram's
-    length; suffix decoding: the matched suffix's); 0 when the proposer has no such measure. Cost
-    dispatch keeps acceptance statistics per match length.
+    length; suffix decoding: the matched suffix's); 0 when the proposer has no such measure.
+    ``confidence``: the proposer's own probability that its first draft is right (a draft head's
+    softmax), None when it has none. Cost dispatch keeps acceptance statistics per
+    :attr:`dispatch_class`: per match length, or per tenth of confidence for a proposal that has one
+    (a head's sure drafts are verified, its guesses dropped).
     """
 
     tokens: np.ndarray  # [n] int64
     probs: np.ndarray | None = None  # [n, vocab]
     match_len: int = 0
+    confidence: float | None = None
 
     def __post_init__(self) -> None:
         if self.probs is not None:
@@ -64,7 +69,16 @@ class Proposal:
         """The first ``n`` drafts (and their q)."""
         if n >= len(self.tokens):
             return self
-        return Proposal(self.tokens[:n], None if self.probs is None else self.probs[:n], self.match_len)
+        return Proposal(
+            self.tokens[:n], None if self.probs is None else self.probs[:n], self.match_len, self.confidence
+        )
+
+    @property
+    def dispatch_class(self) -> int:
+        """The acceptance statistics this proposal shares: ``match_len``, or ``-1 - tenths`` of its confidence."""
+        if self.confidence is None:
+            return self.match_len
+        return -1 - min(int(self.confidence * CONFIDENCE_CLASSES), CONFIDENCE_CLASSES - 1)
 
     @classmethod
     def empty(cls) -> Proposal:
