@@ -71,6 +71,8 @@ def heads(model, tmp_path_factory):
         args = ["train-head", str(package), "--output", str(root / method), "--method", method]
         args += ["--prompts", "40", "--dialogues", "40", "--max-new-tokens", "40", "--epochs", "8"]
         args += ["--draft-vocab", "320", "--lr", "3e-3", "--work-dir", str(root / "work"), "--json"]
+        if method == "medusa":  # the other data phases: instructions answered by the source model, code
+            args += ["--instructions", "16", "--answer-with", "source", "--code", "8"]
         result = CliRunner().invoke(app, args)
         assert result.exit_code == 0, result.output
         out[method] = (root / method, json.loads(result.output[result.output.index("{") :]))
@@ -99,6 +101,15 @@ def run(package, prompts, *, n=24, **engine_options):
     engine = Engine(package, **engine_options)
     outputs = engine.generate(prompts, SamplingParams(max_new_tokens=n, ignore_eos=True))
     return [o.token_ids for o in outputs], engine
+
+
+def test_every_data_phase_leaves_its_files(heads):
+    """Answers of both sources and the teacher-forced phases each leave their records and features."""
+    work = heads["eagle"][0].parent / "work"
+    instructions = [json.loads(line) for line in (work / "answers-instructions.jsonl").read_text().splitlines()]
+    assert len(instructions) == 16 and all(r["answer_ids"] for r in instructions)
+    for name in ("answers", "answers-instructions", "code", "dialogues"):
+        assert (work / f"features-{name}.npz").is_file()
 
 
 def test_training_writes_the_layouts_and_learns(heads):

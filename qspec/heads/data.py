@@ -269,7 +269,13 @@ def collect_features(
 
     say = progress or (lambda message: None)
     model = load_model(package, num_threads=num_threads, spinning=num_threads is None)
-    records = [r for r in records if len(r["prompt_ids"]) + len(r["answer_ids"]) <= model.ctx_len]
+    records = [  # teacher-forced text is cut to the context; an answer too long for it is dropped
+        r if r["answer_ids"] else {"prompt_ids": r["prompt_ids"][: model.ctx_len], "answer_ids": []}
+        for r in records
+        if not r["answer_ids"] or len(r["prompt_ids"]) + len(r["answer_ids"]) <= model.ctx_len
+    ]
+    if not records:
+        raise ConfigError(f"no training record fits {package}'s ctx_len {model.ctx_len}")
     if not model.manifest.model.hidden_states:
         raise ConfigError(f"{package} has no hidden_states output; compile it with --hidden-states")
     model.warm_up()
