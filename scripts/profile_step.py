@@ -3,7 +3,8 @@
 Three measurements, each at positions 100 / 400 / 800 (``--positions``), both runtimes on the same
 intra-op threads (``--threads``), in one process, interleaved so that a shared machine's drift hits both:
 
-1. **call**: the one-token decode call alone (ORT ``run_with_iobinding``, KV bound in place), median ms.
+1. **call**: the one-token decode call alone (ORT ``run_with_iobinding``, KV bound in place), median ms and
+   the median of paired ratios (one call of each graph in turn, shuffled).
    qspec's call is the engine's own (``CompiledModel``, its K=0 binding); GenAI's graph runs in a plain
    ORT session as GenAI runs it (past and present bound to one buffer, ``attention_mask`` of P + 1 ones).
    ``--no-pad-graph`` adds qspec's graph rebuilt without the exactness pad (a lone query token: NOT exact,
@@ -13,7 +14,10 @@ intra-op threads (``--threads``), in one process, interleaved so that a shared m
    around it; projections; MLP; norms; embedding; LM head; the prologue's small shape ops), per call.
 3. **host** (``--host``): a real decode loop, ms per step minus the ORT run inside it: qspec's ``Engine``
    (``none``, greedy) with ``model.run`` timed, and GenAI's ``Generator`` (``generate_next_token``) with
-   the same graph's call timed in (1) at the same position.
+   its session profiled (its ``model_run`` events); and the time to the first token of both.
+
+``--compare OTHER_PACKAGE`` times a second package beside qspec's (paired: a graph recipe's before/after);
+``--session-config KEY=VALUE`` the same graph with extra session entries.
 
 Usage::
 
@@ -31,6 +35,7 @@ import bisect
 import collections
 import gc
 import json
+import random
 import re
 import shutil
 import tempfile
@@ -132,21 +137,29 @@ class GenaiCall:
         self.session.run_with_iobinding(self.binding)
 
 
-def time_interleaved(calls: dict[str, object], position: int, iterations: int, rounds: int) -> dict[str, float]:
-    """Median ms of one call of each, ``rounds`` rounds of ``iterations / rounds`` calls each in turn."""
+def time_interleaved(calls: dict[str, object], position: int, iterations: int) -> dict[str, list[float]]:
+    """ms of ``iterations`` calls of each, one call of each in turn, in a shuffled order each turn (a shared
+    machine's load moves within seconds: alternating single calls lets it hit every graph alike and pairs
+    the samples; the shuffle keeps a graph from always following the same one)."""
     for call in calls.values():
         call.at(position)
         for _ in range(5):
             call.run()
     took: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(rounds):
-        for name, call in calls.items():
-            call.at(position)
-            for _ in range(max(1, iterations // rounds)):
-                begin = time.perf_counter()
-                call.run()
-                took[name].append(time.perf_counter() - begin)
-    return {name: median(t) * 1000 for name, t in took.items()}
+    order = list(calls.items())
+    shuffle = random.Random(position).shuffle
+    for _ in range(iterations):
+        shuffle(order)
+        for name, call in order:
+            begin = time.perf_counter()
+            call.run()
+            took[name].append((time.perf_counter() - begin) * 1000)
+    return took
+
+
+def paired(a: list[float], b: list[float], how=lambda x, y: x / y) -> float:
+    """The median of ``how(a_i, b_i)`` over the paired samples."""
+    return median(how(x, y) for x, y in zip(a, b))
 
 
 # ------------------------------------------------------------------ a graph without the pad (measurement only)
@@ -209,9 +222,10 @@ def part_of(node: onnx.NodeProto) -> str:
     return "prologue"
 
 
-def profile_calls(profiled: dict, positions: list[int], calls: int, rounds: int) -> dict:
-    """ORT's profiler on every ``(session, call, nodes)`` of ``profiled``, interleaved: per position and graph,
-    the median over calls of µs per call of each part, op type, model_run and the sum of its kernels."""
+def profile_calls(profiled: dict, positions: list[int], calls: int) -> dict:
+    """ORT's profiler on every ``(session, call, nodes)`` of ``profiled``, one call of each in turn: per
+    position and graph, the median over calls of µs per call of each part, op type, model_run and the sum
+    of its kernels."""
     order: dict[str, list[int]] = {name: [] for name in profiled}  # the position of each run, in order
     for position in positions:
         for name, (_, call, _) in profiled.items():
@@ -219,12 +233,11 @@ def profile_calls(profiled: dict, positions: list[int], calls: int, rounds: int)
             for _ in range(3):
                 call.run()
             order[name] += [-1] * 3
-        for _ in range(rounds):
+        for _ in range(calls):
             for name, (_, call, _) in profiled.items():
                 call.at(position)
-                for _ in range(max(1, calls // rounds)):
-                    call.run()
-                order[name] += [position] * max(1, calls // rounds)
+                call.run()
+                order[name].append(position)
     result: dict = {}
     for name, (session, _, nodes) in profiled.items():
         events = json.loads(Path(session.end_profiling()).read_text())
@@ -301,7 +314,9 @@ def qspec_host(package: Path, threads: int, prompt: list[int], new_tokens: int, 
     try:
         steps: list[float] = []
         engine.add_request(prompt, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
-        engine.step()  # prefill and the first decode step
+        begin = time.perf_counter()
+        engine.step()  # the prefill (the first token) and the first decode step
+        first = time.perf_counter() - begin
         runs.clear()
         while engine.has_unfinished():
             begin = time.perf_counter()
@@ -312,6 +327,7 @@ def qspec_host(package: Path, threads: int, prompt: list[int], new_tokens: int, 
     n = min(len(steps), len(runs))
     return {
         "step_ms": median(steps) * 1000,
+        "ttft_ms": (first - median(steps)) * 1000,
         "run_ms": median(runs[:n]) * 1000,
         "host_ms": median(s - r for s, r in zip(steps[:n], runs[:n])) * 1000,
     }, engine
@@ -330,7 +346,11 @@ def genai_host(folder: Path, threads: int, prompt: list[int], new_tokens: int, w
     params = og.GeneratorParams(model)
     params.set_search_options(max_length=len(prompt) + new_tokens + 1, do_sample=False, min_length=0)
     generator = og.Generator(model, params)
+    begin = time.perf_counter()
     generator.append_tokens(prompt)
+    generator.generate_next_token()  # the prefill (the first token)
+    generator.get_next_tokens()
+    ttft = time.perf_counter() - begin
     steps: list[float] = []
     for _ in range(new_tokens):
         begin = time.perf_counter()
@@ -344,10 +364,9 @@ def genai_host(folder: Path, threads: int, prompt: list[int], new_tokens: int, w
     if files:
         events = json.loads(files[-1].read_text())
         runs = [e["dur"] / 1000 for e in sorted(events, key=lambda e: e["ts"]) if e.get("name") == "model_run"]
-    # The prefill runs in append_tokens or in the first generate_next_token: the decode steps are the last
-    # runs, all but the first step.
-    steps, runs = steps[1:], runs[-(new_tokens - 1) :]
-    result = {"step_ms": median(steps) * 1000}
+    # The decode steps' runs are the last ones (the prefill ran before).
+    runs = runs[-len(steps) :]
+    result = {"step_ms": median(steps) * 1000, "ttft_ms": ttft * 1000}
     if len(runs) == len(steps):
         result |= {"run_ms": median(runs), "host_ms": median(s * 1000 - r for s, r in zip(steps, runs))}
     return result
@@ -369,8 +388,11 @@ def main() -> None:
     parser.add_argument("--positions", default="100,400,800")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--iterations", type=int, default=200)
-    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--no-pad-graph", action="store_true", help="also time a graph without the pad (inexact)")
+    parser.add_argument("--compare", type=Path, help="a second package (another graph recipe) timed beside")
+    parser.add_argument(
+        "--session-config", action="append", default=[], help="KEY=VALUE: qspec's graph with this session entry too"
+    )
     parser.add_argument("--profile", action="store_true", help="ORT's profiler on both graphs")
     parser.add_argument("--profile-calls", type=int, default=50)
     parser.add_argument("--host", action="store_true", help="host time per step of both decode loops")
@@ -386,98 +408,88 @@ def main() -> None:
         calls = {"qspec": qspec, "genai": genai}
         if args.no_pad_graph:
             calls["qspec no pad"] = QspecCall(no_pad_package(args.package, work), args.threads)
-        out["call_ms"] = {p: time_interleaved(calls, p, args.iterations, args.rounds) for p in positions}
+        if args.compare is not None:
+            calls["qspec B"] = QspecCall(args.compare, args.threads)
+        if args.session_config:
+            calls["qspec cfg"] = configured(qspec, args.threads, dict(e.split("=", 1) for e in args.session_config))
+        samples = {p: time_interleaved(calls, p, args.iterations) for p in positions}
+        out["call_ms"] = {p: {name: median(t) for name, t in took.items()} for p, took in samples.items()}
         rows = []
-        for p, ms in out["call_ms"].items():
-            row = [p, f"{ms['qspec']:.2f}", f"{ms['genai']:.2f}", f"{ms['qspec'] / ms['genai']:.3f}"]
+        for p, took in samples.items():
+            ms = out["call_ms"][p]
+            row = [p, f"{ms['qspec']:.2f}", f"{ms['genai']:.2f}", f"{paired(took['qspec'], took['genai']):.3f}"]
             if "qspec no pad" in ms:
-                row += [f"{ms['qspec no pad']:.2f}", f"{ms['qspec'] - ms['qspec no pad']:.2f}"]
+                pad = paired(took["qspec"], took["qspec no pad"], lambda x, y: x - y)
+                nopad = paired(took["qspec no pad"], took["genai"])
+                row += [f"{ms['qspec no pad']:.2f}", f"{nopad:.3f}", f"{pad:.2f}"]
+            for variant in ("qspec B", "qspec cfg"):
+                if variant in ms:
+                    row += [f"{ms[variant]:.2f}", f"{paired(took[variant], took['qspec']):.3f}"]
             rows.append(row)
-        header = ["position", "qspec ms", "GenAI ms", "qspec / GenAI"]
+        header = ["position", "qspec ms", "GenAI ms", "qspec / GenAI (paired)"]
         if args.no_pad_graph:
-            header += ["qspec no pad ms", "pad ms"]
-        print("## One-token call (median, interleaved)\n")
+            header += ["qspec no pad ms", "no pad / GenAI", "pad ms (paired)"]
+        if args.compare is not None:
+            header += ["B ms", "B / qspec (paired)"]
+        if args.session_config:
+            header += ["cfg ms", "cfg / qspec (paired)"]
+        print(f"## One-token call (median of {args.iterations}, one call of each in turn)\n")
         print(table(header, rows) + "\n")
 
         if args.profile:
 
-            def qspec_session(prefix: str, optimized: Path):
-                options = ort.SessionOptions()
-                options.intra_op_num_threads = args.threads
-                options.log_severity_level = 3
-                options.enable_profiling = True
-                options.profile_file_prefix = prefix
-                options.optimized_model_filepath = str(optimized)
-                options.add_session_config_entry(
-                    "session.optimized_model_external_initializers_file_name", optimized.name + ".data"
-                )
-                options.add_free_dimension_override_by_name("ctx_len", qspec.model.kv_len)
-                session = ort.InferenceSession(
-                    str(args.package / qspec.model.manifest.runtime_graph.file),
-                    options,
-                    providers=["CPUExecutionProvider"],
-                )
-                call = _rebind(qspec, session)
-                return session, call
+            def qspec_session(package: Path):
+                def make(prefix: str, optimized: Path):
+                    options = ort.SessionOptions()
+                    options.intra_op_num_threads = args.threads
+                    options.log_severity_level = 3
+                    options.enable_profiling = True
+                    options.profile_file_prefix = prefix
+                    options.optimized_model_filepath = str(optimized)
+                    options.add_session_config_entry(
+                        "session.optimized_model_external_initializers_file_name", optimized.name + ".data"
+                    )
+                    options.add_free_dimension_override_by_name("ctx_len", qspec.model.kv_len)
+                    path = package / qspec.model.manifest.runtime_graph.file
+                    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+                    return session, _rebind(qspec, session)
+
+                return make
 
             def genai_session(prefix: str, optimized: Path):
-                call = GenaiCall(
-                    args.genai,
-                    args.threads,
-                    qspec.model.kv_len,
-                    genai_options(args.threads, profile=prefix, optimized=optimized),
-                )
+                options = genai_options(args.threads, profile=prefix, optimized=optimized)
+                call = GenaiCall(args.genai, args.threads, qspec.model.kv_len, options)
                 return call.session, call
 
-            del calls  # free the timing sessions' threads
-            profiled = {
-                "qspec": profiled_session(qspec_session, work, "qspec"),
-                "genai": profiled_session(genai_session, work, "genai"),
-            }
-            out["profile"] = profile_calls(profiled, positions, args.profile_calls, args.rounds)
+            packages = {"qspec": args.package}
+            if args.no_pad_graph:
+                packages["qspec no pad"] = calls["qspec no pad"].model.package
+            if args.compare is not None:
+                packages["qspec B"] = args.compare
+            del calls  # the timing sessions' threads
+            profiled = {name: profiled_session(qspec_session(path), work, name) for name, path in packages.items()}
+            profiled["genai"] = profiled_session(genai_session, work, "genai")
+            out["profile"] = profile_calls(profiled, positions, args.profile_calls)
+            names = list(profiled)
             for p in positions:
-                q, g = out["profile"]["qspec"][p], out["profile"]["genai"][p]
+                got = {name: out["profile"][name][p] for name in names}
                 print(f"## Profile at position {p} (µs per call, median of {args.profile_calls} calls, interleaved)\n")
-                rows = [
-                    [
-                        part,
-                        f"{q['by_part'][part]:.0f}",
-                        f"{g['by_part'][part]:.0f}",
-                        f"{q['by_part'][part] - g['by_part'][part]:+.0f}",
-                    ]
-                    for part in PARTS
-                ]
-                rows.append(
-                    [
-                        "sum of kernels",
-                        f"{q['kernels_us']:.0f}",
-                        f"{g['kernels_us']:.0f}",
-                        f"{q['kernels_us'] - g['kernels_us']:+.0f}",
-                    ]
-                )
-                rows.append(
-                    [
-                        "model_run (median)",
-                        f"{q['model_run_us']:.0f}",
-                        f"{g['model_run_us']:.0f}",
-                        f"{q['model_run_us'] - g['model_run_us']:+.0f}",
-                    ]
-                )
+                rows = [[part, *(f"{got[n]['by_part'][part]:.0f}" for n in names)] for part in PARTS]
+                rows.append(["sum of kernels", *(f"{got[n]['kernels_us']:.0f}" for n in names)])
+                rows.append(["model_run (median)", *(f"{got[n]['model_run_us']:.0f}" for n in names)])
                 rows.append(
                     [
                         "run - kernels (executor)",
-                        f"{q['model_run_us'] - q['kernels_us']:.0f}",
-                        f"{g['model_run_us'] - g['kernels_us']:.0f}",
-                        "",
+                        *(f"{got[n]['model_run_us'] - got[n]['kernels_us']:.0f}" for n in names),
                     ]
                 )
-                rows.append(["nodes run", q["nodes"], g["nodes"], ""])
-                print(table(["part", "qspec", "GenAI", "diff"], rows) + "\n")
+                rows.append(["nodes run", *(got[n]["nodes"] for n in names)])
+                print(table(["part", *names], rows) + "\n")
                 ops = sorted(
-                    set(q["by_op"]) | set(g["by_op"]), key=lambda o: -(q["by_op"].get(o, 0) + g["by_op"].get(o, 0))
+                    {op for n in names for op in got[n]["by_op"]}, key=lambda o: -got["qspec"]["by_op"].get(o, 0)
                 )
-                rows = [[o, f"{q['by_op'].get(o, 0):.0f}", f"{g['by_op'].get(o, 0):.0f}"] for o in ops]
-                print(table(["op type", "qspec µs", "GenAI µs"], rows) + "\n")
+                rows = [[op, *(f"{got[n]['by_op'].get(op, 0):.0f}" for n in names)] for op in ops]
+                print(table(["op type (µs)", *names], rows) + "\n")
 
         if args.host:
             tokenizer = args.package / "tokenizer"
@@ -502,6 +514,8 @@ def main() -> None:
                         f"{g.get('run_ms', float('nan')):.2f}",
                         f"{g.get('host_ms', float('nan')):.3f}",
                         f"{q['step_ms'] / g['step_ms']:.3f}",
+                        f"{q['ttft_ms']:.1f}",
+                        f"{g['ttft_ms']:.1f}",
                     ]
                 )
             print(f"## Decode loop, {args.new_tokens} tokens from a prompt of P tokens (median ms per step)\n")
@@ -516,6 +530,8 @@ def main() -> None:
                         "GenAI ORT run",
                         "GenAI host",
                         "qspec / GenAI step",
+                        "qspec TTFT",
+                        "GenAI TTFT",
                     ],
                     rows,
                 )
@@ -525,6 +541,17 @@ def main() -> None:
             args.json.write_text(json.dumps(out, indent=1, default=str) + "\n")
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def configured(qspec: QspecCall, threads: int, entries: dict[str, str]) -> QspecCall:
+    """``qspec``'s call on a session of the same graph with the runtime's options plus ``entries``."""
+    from qspec.backends import ort as ort_backend
+
+    options = ort_backend.session_options({"ctx_len": qspec.model.kv_len}, spinning=True, num_threads=threads)
+    for key, value in entries.items():
+        options.add_session_config_entry(key, value)
+    path = qspec.model.package / qspec.model.manifest.runtime_graph.file
+    return _rebind(qspec, ort.InferenceSession(str(path), options, providers=ort_backend.PROVIDERS))
 
 
 def _rebind(qspec: QspecCall, session: ort.InferenceSession) -> QspecCall:
