@@ -13,6 +13,10 @@ the body, since the exporter's opset pass would inline a function it knew), and 
 chained and inlined, :func:`attach` adds the definitions the graph uses. ONNX Runtime inlines them
 at load, so the vendor graph runs there as it is.
 
+The one change to QEfficient's bodies: ``Range`` gets scalars (QEfficient passes it one-element
+tensors, which ONNX Runtime's shape inference rejects once the shapes are static, as in a session of
+one specialization).
+
 One part of QEfficient's form does not run on ONNX Runtime: an index out of ``[0, ctx_len)``.
 QEfficient sends a padding token's write to ``INT32_MAX`` under continuous batching (a slot the
 device drops) and, without a decoder sub-function, reads invalid slots at ``INT32_MAX``; ONNX Runtime's
@@ -27,7 +31,8 @@ import onnxscript
 from onnxscript import FLOAT, INT64
 from onnxscript import opset18 as op
 
-DOMAIN = "com.qualcomm.cloud"
+from qspec.export.graph import CTX_DOMAIN as DOMAIN
+
 VERSION = 1
 _QAIC = onnxscript.values.Opset(DOMAIN, VERSION)
 
@@ -38,11 +43,10 @@ def CtxScatter(data: FLOAT, position_ids: INT64, updates: FLOAT) -> FLOAT:
     batch_size = op.Gather(op.Shape(data), [0])
     num_heads = op.Gather(op.Shape(data), [1])
     seq_len = op.Gather(op.Shape(position_ids), [1])
-    zero = op.Constant(value_ints=[0])
     one = op.Constant(value_ints=[1])
     exp_shape = op.Concat(batch_size, num_heads, seq_len, one, axis=0)
-    batch_idx = op.Expand(op.Unsqueeze(op.Range(zero, batch_size, one), [1, 2, 3]), exp_shape)
-    head_idx = op.Expand(op.Unsqueeze(op.Range(zero, num_heads, one), [0, 2, 3]), exp_shape)
+    batch_idx = op.Expand(op.Unsqueeze(op.Range(0, op.Squeeze(batch_size), 1), [1, 2, 3]), exp_shape)
+    head_idx = op.Expand(op.Unsqueeze(op.Range(0, op.Squeeze(num_heads), 1), [0, 2, 3]), exp_shape)
     ctx_idx = op.Expand(op.Unsqueeze(position_ids, [1, 3]), exp_shape)
     indices = op.Concat(batch_idx, head_idx, ctx_idx, axis=3)
     return op.ScatterND(data, indices, updates)
@@ -54,11 +58,10 @@ def CtxScatterCB(data: FLOAT, batch_index: INT64, position_ids: INT64, updates: 
     batch_size = op.Gather(op.Shape(batch_index), [0])
     num_heads = op.Gather(op.Shape(data), [1])
     seq_len = op.Gather(op.Shape(position_ids), [1])
-    zero = op.Constant(value_ints=[0])
     one = op.Constant(value_ints=[1])
     exp_shape = op.Concat(batch_size, num_heads, seq_len, one, axis=0)
     batch_idx = op.Expand(op.Unsqueeze(batch_index, [2, 3]), exp_shape)
-    head_idx = op.Expand(op.Unsqueeze(op.Range(zero, num_heads, one), [0, 2, 3]), exp_shape)
+    head_idx = op.Expand(op.Unsqueeze(op.Range(0, op.Squeeze(num_heads), 1), [0, 2, 3]), exp_shape)
     ctx_idx = op.Expand(op.Unsqueeze(position_ids, [1, 3]), exp_shape)
     indices = op.Concat(batch_idx, head_idx, ctx_idx, axis=3)
     return op.ScatterND(data, indices, updates)
@@ -80,13 +83,12 @@ def CtxGatherCB(data: FLOAT, batch_index: INT64, ctx_indices: INT64, comp_ctx_le
     batch_size = op.Gather(op.Shape(batch_index), [0])
     num_heads = op.Gather(op.Shape(data), [1])
     ctx_len = op.Gather(op.Shape(ctx_indices), [2])
-    zero = op.Constant(value_ints=[0])
     one = op.Constant(value_ints=[1])
     exp_shape = op.Concat(
         op.Reshape(batch_size, [1]), op.Reshape(num_heads, [1]), op.Reshape(ctx_len, [1]), one, axis=0
     )
     batch_idx = op.Expand(op.Unsqueeze(batch_index, [2, 3]), exp_shape)
-    head_idx = op.Expand(op.Unsqueeze(op.Range(zero, num_heads, one), [0, 2, 3]), exp_shape)
+    head_idx = op.Expand(op.Unsqueeze(op.Range(0, op.Squeeze(num_heads), 1), [0, 2, 3]), exp_shape)
     ctx_idx = op.Expand(op.Unsqueeze(ctx_indices, [3]), exp_shape)
     indices = op.Concat(batch_idx, head_idx, ctx_idx, axis=3)
     return op.GatherND(data, indices)
