@@ -12,6 +12,10 @@ layer's own weights, and lets onnx-ir's ``InlinePass`` inline the calls::
       …     ─► layer(sig of N-1)(…)                                            ─► hidden, *_RetainedState
     hidden, valid, num_logits_to_keep ─► epilogue(norm, lm_head) ─► logits
 
+The KV write and read of every layer stay calls of QEfficient's ``CtxScatter`` / ``CtxGather`` functions
+through all of this (the tracer emits a node per call, the inlining passes know no body of theirs);
+:func:`compose` adds their definitions last (:mod:`qspec.export.ctx_functions`).
+
 The wrapper stays the one place that defines the computation: ``KVExplicitLM.forward`` chains the
 same three methods, and the parity tests compare the chained graph with the PyTorch model. Weights
 are written once each (a tied LM head shares the embedding's initializer), straight from the torch
