@@ -294,6 +294,41 @@ def test_symbolic_dims_are_specialization_keys(exported, graph_kind):
     assert params == set(contract.SPECIALIZATION_KEYS) == set(Specialization.model_fields)
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"continuous_batching": True},
+        {"comp_ctx_lengths": True},
+        {"continuous_batching": True, "hidden_states": True},
+    ],
+)
+def test_vendor_graph_writes_and_reads_kv_through_ctx_functions(exported, options):
+    """Every vendor graph (batch 1, continuous batching, CCL) writes each layer's K and V with one CtxScatter
+    (CtxScatterCB) call and reads them with CtxGather (CtxGatherCB), functions it defines with bodies; no plain
+    scatter or gather of the KV is left in the main graph."""
+    from qspec.export.graph import CTX_DOMAIN, check_ctx_functions, ctx_calls
+
+    _, folder, meta = exported("llama", **options)
+    path = folder / ONNX_FILE
+    check_ctx_functions(path, meta.model.num_layers, ExportOptions(**options))
+    cb = "CB" if options.get("continuous_batching") else ""
+    layers = meta.model.num_layers
+    # per layer and K/V: one write; one read for attention and one of the old values a padding token rewrites
+    assert ctx_calls(path) == {f"CtxScatter{cb}": 2 * layers, f"CtxGather{cb}": 4 * layers}
+    proto = onnx.load(str(path), load_external_data=False)
+    assert {(f.domain, f.name) for f in proto.functions} == {
+        (CTX_DOMAIN, f"CtxScatter{cb}"),
+        (CTX_DOMAIN, f"CtxGather{cb}"),
+    }
+    assert not {node.op_type for node in proto.graph.node} & {"ScatterND", "ScatterElements"}
+    kv = set(contract.kv_names(layers)) | {
+        out for node in proto.graph.node if node.domain == CTX_DOMAIN for out in node.output
+    }
+    gathers = [node for node in proto.graph.node if node.op_type in ("Gather", "GatherND", "GatherElements")]
+    assert not [node.name for node in gathers if node.input[0] in kv]  # the logits' pick gathers hidden states
+
+
 def test_graph_loads_with_every_dimension_fixed(exported):
     """ORT loads the graph with all symbolic dims overridden (a static session) and runs it."""
     _, folder, meta = exported("llama")
@@ -467,5 +502,7 @@ def test_comp_ctx_lengths_bounds_the_slots_read(exported):
     np.testing.assert_allclose(out, ref[:6], atol=TOL)
     out = graph.run([tokens[6:8]], [[6, 7]], keep=2, ccl=8)[0]  # positions up to 7: the bucket's last slot
     np.testing.assert_allclose(out, ref[6:8], atol=TOL)
-    # The full buffer reads the NaNs (masked scores still multiply their values): the bound is what saved us.
-    assert np.isnan(graph.run([tokens[8:9]], [[8]], ccl=CTX)).any()
+    # With the whole buffer, the slots past the last position are read at slot 0 (QEfficient's CtxGather index):
+    # the NaNs stay unread there too.
+    out = graph.run([tokens[8:9]], [[8]], ccl=CTX)[0]
+    np.testing.assert_allclose(out, ref[8:9], atol=TOL)

@@ -17,6 +17,7 @@ from torch import nn  # noqa: E402
 
 from qspec import contract  # noqa: E402
 from qspec.errors import PackageError  # noqa: E402
+from qspec.export.graph import ctx_calls  # noqa: E402
 from qspec.heads import manifest as head_manifest  # noqa: E402
 from qspec.heads import modules  # noqa: E402
 from qspec.heads.package import compile_head, eagle_specializations, medusa_specializations  # noqa: E402
@@ -130,6 +131,7 @@ def test_eagle_manifest_and_files(eagle_package):
     assert shapes[contract.LOGITS] == ["batch_size", 1, 7]
     assert shapes[contract.HIDDEN_STATES_OUT] == ["batch_size", 1, 64]
     assert shapes[contract.past_key(0)] == ["batch_size", 2, "ctx_len", 16]
+    assert ctx_calls(manifest.path(package, manifest.graph)) == {"CtxScatter": 2, "CtxGather": 4}  # QEfficient's KV ops
 
 
 def test_eagle_specializations_sorted_and_flat(eagle_package):
@@ -202,6 +204,7 @@ def test_eagle_continuous_batching(tmp_path):
     kv = [np.zeros((3, 2, CTX, 16), np.float32) for _ in range(2)]
     _, feature, kv = run_eagle(sess, ids[:, :3], torch.arange(3)[None], hidden[:, :3], kv, np.array([[2]]))
     assert not kv[0][:2].any() and kv[0][2].any()  # only slot 2 was written
+    assert ctx_calls(manifest.path(package, manifest.graph)) == {"CtxScatterCB": 2, "CtxGatherCB": 4}
     _, feature, _ = run_eagle(sess, ids[:, 3:], torch.tensor([[3]]), hidden[:, 3:], kv, np.array([[2]]))
     np.testing.assert_allclose(feature[:, 0], want[:, 3].numpy(), rtol=1e-4, atol=1e-4)
 

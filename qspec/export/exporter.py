@@ -33,7 +33,7 @@ from qspec.package import ONNX_FILE, TOKENIZER_DIR, ModelInfo
 
 EXPORT_META = "export.json"
 # Bump when the exporter writes a different graph for the same model and options: old exports are stale.
-EXPORT_FORMAT = 4
+EXPORT_FORMAT = 5
 
 Progress = Callable[[str], None]
 

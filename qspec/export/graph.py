@@ -59,11 +59,47 @@ def graph_dims(path: Path) -> dict[str, list]:
     }
 
 
+# QEfficient's KV write and read functions (see qspec.export.ctx_functions), by variant.
+CTX_DOMAIN = "com.qualcomm.cloud"
+CTX_SCATTER = {False: "CtxScatter", True: "CtxScatterCB"}  # key: continuous batching
+CTX_GATHER = {False: "CtxGather", True: "CtxGatherCB"}
+
+
+def ctx_calls(path: Path) -> dict[str, int]:
+    """``{function name: calls}`` of the ``com.qualcomm.cloud`` functions a saved graph calls."""
+    import onnx
+
+    proto = onnx.load(str(path), load_external_data=False)
+    calls: dict[str, int] = {}
+    for node in proto.graph.node:
+        if node.domain == CTX_DOMAIN:
+            calls[node.op_type] = calls.get(node.op_type, 0) + 1
+    return calls
+
+
+def check_ctx_functions(path: Path, num_layers: int, options: ExportOptions) -> None:
+    """Every layer writes its key and value with QEfficient's scatter of the graph's variant, reads them with
+    its gather, and the graph defines each function it calls (with a body) in the function's domain."""
+    import onnx
+
+    proto = onnx.load(str(path), load_external_data=False)
+    calls = ctx_calls(path)
+    cb = options.continuous_batching
+    assert calls.get(CTX_SCATTER[cb], 0) == 2 * num_layers, f"{calls} has not one {CTX_SCATTER[cb]} per K and V"
+    assert calls.get(CTX_GATHER[cb], 0) >= 2 * num_layers, f"{calls} has not a {CTX_GATHER[cb]} per K and V read"
+    assert set(calls) == {CTX_SCATTER[cb], CTX_GATHER[cb]}, f"{calls}: another variant's function in the graph"
+    defined = {(f.domain, f.name) for f in proto.functions if f.node}
+    missing = sorted(name for name in calls if (CTX_DOMAIN, name) not in defined)
+    assert not missing, f"the graph calls {missing} without defining them"
+    assert any(o.domain == CTX_DOMAIN for o in proto.opset_import), f"no opset import of {CTX_DOMAIN}"
+
+
 def check_graph(path: Path, num_layers: int, options: ExportOptions) -> None:
-    """Full ``onnx.checker`` pass plus the contract's names and symbolic dimensions."""
+    """Full ``onnx.checker`` pass, the contract's names and symbolic dimensions, and the KV's Ctx functions."""
     import onnx
 
     onnx.checker.check_model(str(path), full_check=True)
+    check_ctx_functions(path, num_layers, options)
     dims = graph_dims(path)
     vocab = dims[contract.LOGITS][-1]
     expected = expected_dims(num_layers, options, vocab)

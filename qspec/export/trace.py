@@ -12,6 +12,10 @@ layer's own weights, and lets onnx-ir's ``InlinePass`` inline the calls::
       …     ─► layer(sig of N-1)(…)                                            ─► hidden, *_RetainedState
     hidden, valid, num_logits_to_keep ─► epilogue(norm, lm_head) ─► logits
 
+The KV write and read of every layer stay calls of QEfficient's ``CtxScatter`` / ``CtxGather`` functions
+through all of this (the tracer emits a node per call, the inlining passes know no body of theirs);
+:func:`compose` adds their definitions last (:mod:`qspec.export.ctx_functions`).
+
 The wrapper stays the one place that defines the computation: ``KVExplicitLM.forward`` chains the
 same three methods, and the parity tests compare the chained graph with the PyTorch model. Weights
 are written once each (a tied LM head shares the embedding's initializer), straight from the torch
@@ -171,6 +175,8 @@ def trace_pieces(lm: nn.Module, info, options, times: TraceTimes, say: Progress)
     """Trace every piece in one export call, then cut the graph into one function per piece."""
     import onnxscript.optimizer
 
+    from qspec.export import ctx_functions
+
     specs = piece_specs(lm, info, options)
     module = _SideBySide(lm, specs)
     say(f"tracing {', '.join(spec.name for spec in specs)}")
@@ -185,6 +191,7 @@ def trace_pieces(lm: nn.Module, info, options, times: TraceTimes, say: Progress)
         opset_version=OPSET,
         optimize=False,
         verbose=False,
+        custom_translation_table=ctx_functions.translation_table(),  # the KV write and read: one node each
     )
     times.add("trace", time.perf_counter() - begin)
     say("optimizing the traced pieces")
@@ -192,7 +199,8 @@ def trace_pieces(lm: nn.Module, info, options, times: TraceTimes, say: Progress)
     model = program.model
     tensors = _named_tensors(module)
     weights = _initializers_to_inputs(model.graph, tensors)
-    onnxscript.optimizer.optimize(model, num_iterations=1)  # weights are inputs: nothing of theirs is folded
+    # weights are inputs: nothing of theirs is folded; the Ctx nodes stay calls (their functions are added last)
+    onnxscript.optimizer.optimize(model, num_iterations=1, inline=False)
     weights |= _initializers_to_inputs(model.graph, tensors)
     pieces = {spec.name: _cut(model.graph, spec, weights) for spec in specs}
     times.add("optimize", time.perf_counter() - begin)
@@ -284,6 +292,8 @@ def compose(lm: nn.Module, pieces: dict[str, Piece], options):
     """The main graph: prologue, every layer with its own weights and KV buffers, epilogue; inlined."""
     import onnx_ir as ir
     from onnx_ir.passes.common import InlinePass, RemoveUnusedFunctionsPass, RemoveUnusedOpsetsPass
+
+    from qspec.export import ctx_functions
 
     names = {id(t): n for n, t in lm.model.named_parameters()} | {id(t): n for n, t in lm.model.named_buffers()}
     initializers: dict[int, ir.Value] = {}
@@ -389,6 +399,7 @@ def compose(lm: nn.Module, pieces: dict[str, Piece], options):
     InlinePass()(model)
     RemoveUnusedFunctionsPass()(model)
     RemoveUnusedOpsetsPass()(model)
+    ctx_functions.attach(model)  # after inlining: the Ctx calls stay calls, as QEfficient's graphs have them
     return model
 
 

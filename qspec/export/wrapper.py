@@ -5,10 +5,13 @@ only what the contract changes: the KV cache is a static ``ctx_len`` buffer per 
 returned (``..._RetainedState``), the KV of the call's tokens is written **at ``position_ids``**, and
 the attention mask comes from positions (query at position ``p`` sees slot ``j`` iff ``j <= p``).
 
-Padding tokens (``position_ids == PAD_POSITION``) write back the value a slot already holds, into a
-slot that no live token of the call writes: nothing visible changes and nothing is written outside
-``[0, ctx_len)``. Live tokens of one row must sit at consecutive positions (they always do: a prefill
-chunk, or ``[last_token, d_1..d_n]``).
+The KV write and read are QEfficient's ``CtxScatter`` / ``CtxGather`` (``...CB`` with ``batch_index``)
+ONNX functions (:mod:`qspec.export.ctx_ops`). Padding tokens (``position_ids == PAD_POSITION``) write
+back the value a slot already holds, into a slot that no live token of the call writes: nothing
+visible changes and every index stays in ``[0, ctx_len)``. Attention reads slots ``[0, n)`` (``n`` the
+buffer's or the compute context's length); a slot past a row's last position is read at slot 0, as
+QEfficient reads it, and masked. Live tokens of one row must sit at consecutive positions (they
+always do: a prefill chunk, or ``[last_token, d_1..d_n]``).
 
 What differs between architectures lives in a small :class:`Adapter`; adding a family is adding one.
 """
@@ -22,6 +25,7 @@ import torch
 from torch import nn
 
 from qspec.errors import UnsupportedModelError
+from qspec.export.ctx_ops import ctx_gather, ctx_gather_cb, ctx_scatter, ctx_scatter_cb
 
 # RoPE variants whose frequencies do not depend on the sequence length, so one graph serves all.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -223,13 +227,14 @@ class KVExplicitLM(nn.Module):
         steps = torch.arange(hidden.shape[1], dtype=torch.int64)
         ctx_len = key_pos[-1:] + 1  # a tensor: the exporter cannot take a remainder by a symbolic int
         slots = torch.where(valid, query_pos, torch.remainder(anchor + steps, ctx_len))  # [batch, seq]
-        read = ccl.shape[0] if ccl is not None else None
+        read = ccl.shape[0] if ccl is not None else past_key.shape[2]
         mask = _visible(
             query_pos, key_pos[:read] if ccl is not None else key_pos, self.windows[i]
         )  # [b, 1, 1, seq, read]
         kv = (past_key, past_value)
+        reads = _read_slots(query_pos, read)
         x = layer.input_layernorm(hidden)
-        attn_out, (keys, values) = self._attention(layer, x, cos, sin, mask, kv, slots, valid, batch_index, read)
+        attn_out, (keys, values) = self._attention(layer, x, cos, sin, mask, kv, slots, valid, batch_index, reads)
         hidden = hidden + attn_out
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return hidden, keys, values
@@ -262,7 +267,7 @@ class KVExplicitLM(nn.Module):
         sin = (emb.sin() * self.rope_scaling).unsqueeze(1)
         return cos, sin
 
-    def _attention(self, layer, x, cos, sin, mask, kv, slots, valid, batch_index, read):
+    def _attention(self, layer, x, cos, sin, mask, kv, slots, valid, batch_index, reads):
         attn = layer.self_attn
         batch, seq, _ = x.shape
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
@@ -275,10 +280,8 @@ class KVExplicitLM(nn.Module):
         k = _rope(k.transpose(1, 2), cos, sin).to(kv[0].dtype)  # [batch, kv_heads, seq, dim]
         v = v.transpose(1, 2).to(kv[1].dtype)
 
-        keys, new_keys = _write(kv[0], k, slots, valid, batch_index)
-        values, new_values = _write(kv[1], v, slots, valid, batch_index)
-        if read is not None:  # only when bounded: a full-length slice would copy the whole buffer
-            keys, values = keys[:, :, :read], values[:, :, :read]  # [batch, kv, read, dim]
+        new_keys, new_values = _write(kv[0], k, slots, valid, batch_index), _write(kv[1], v, slots, valid, batch_index)
+        keys, values = _read(new_keys, reads, batch_index), _read(new_values, reads, batch_index)  # [b, kv, read, dim]
 
         groups = heads // kv_heads
         q = q.reshape(batch, kv_heads, groups, seq, dim)
@@ -305,23 +308,32 @@ def _write_anchor(position_ids, valid, steps):
 
 
 def _write(buffer, new, slots, valid, batch_index):
-    """Write ``new`` [batch, kv, seq, dim] into ``buffer`` at ``slots``; padding rewrites old values.
+    """``buffer`` with ``new`` [batch, kv, seq, dim] written at ``slots`` (``CtxScatter``, ``CtxScatterCB``).
 
-    Returns (the rows this call attends to, the updated full buffer).
+    A padding token writes the value its slot holds (read with ``CtxGather``): its write changes nothing.
     """
-    batch, kv_heads, seq, dim = new.shape
-    index = slots[:, None, :, None].expand(batch, kv_heads, seq, dim)
-    live = valid[:, None, :, None]
+    at = slots[:, None, :]  # [batch, 1, seq]
     if batch_index is None:
-        value = torch.where(live, new, buffer.gather(2, index))
-        updated = buffer.scatter(2, index, value)
-        return updated, updated
-    rows = buffer.index_select(0, batch_index[:, 0])  # [batch, kv, ctx, dim]
-    value = torch.where(live, new, rows.gather(2, index))
-    rows = rows.scatter(2, index, value)
-    heads = torch.arange(kv_heads, dtype=torch.int64)
-    updated = buffer.index_put((batch_index[:, 0, None, None], heads[None, :, None], slots[:, None, :]), value)
-    return rows, updated
+        value = torch.where(valid[:, None, :, None], new, ctx_gather(buffer, at, slots.shape[1]))
+        return ctx_scatter(buffer, slots, value)
+    value = torch.where(valid[:, None, :, None], new, ctx_gather_cb(buffer, batch_index, at, slots.shape[1]))
+    return ctx_scatter_cb(buffer, batch_index, slots, value)
+
+
+def _read_slots(query_pos, read):
+    """``[batch, 1, read]``: the slots attention reads, ``j`` up to the row's last position, then 0 (QEfficient's
+    invalid index under ``torch.export``; the mask hides those slots). Example, read 4, positions ``[1, 2]``
+    -> ``[0, 1, 2, 0]``."""
+    slots = torch.arange(read, dtype=torch.int64)[None, None, :]
+    last = query_pos.amax(dim=1, keepdim=True)[:, :, None]  # [batch, 1, 1]
+    return torch.where(slots > last, torch.zeros_like(slots), slots)
+
+
+def _read(buffer, reads, batch_index):
+    """The slots ``reads`` [batch, 1, n] of each row's KV (``CtxGather``, ``CtxGatherCB``): [batch, kv, n, dim]."""
+    if batch_index is None:
+        return ctx_gather(buffer, reads, reads.shape[2])
+    return ctx_gather_cb(buffer, batch_index, reads, reads.shape[2])
 
 
 def _visible(query_pos, key_pos, window: int | None):

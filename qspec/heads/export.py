@@ -202,6 +202,7 @@ def trace_medusa(head):
 
 
 def _export(module: nn.Module, examples: list, shapes: list, input_names: list[str], output_names: list[str]):
+    from qspec.export import ctx_functions
     from qspec.export.exporter import OPSET, _quiet
 
     with _quiet(), torch.no_grad():
@@ -215,7 +216,9 @@ def _export(module: nn.Module, examples: list, shapes: list, input_names: list[s
             opset_version=OPSET,
             optimize=True,
             verbose=False,
+            custom_translation_table=ctx_functions.translation_table(),  # an EAGLE layer's KV write and read
         )
+    ctx_functions.attach(program.model)
     return program.model
 
 
