@@ -60,7 +60,7 @@ ACCURACY_LEVEL = INT8_ACTIVATIONS
 # kernels skip the zero-point correction, faster than asymmetric blocks at the same agreement with fp32.
 SYMMETRIC = True
 # Bump when the recipe below changes: cached runtime graphs are keyed by it.
-RECIPE_VERSION = 24
+RECIPE_VERSION = 25
 GRAPH_META = "graph.json"
 # Initializers below this size stay inside the .onnx file.
 EXTERNAL_MIN_BYTES = 1024
@@ -122,6 +122,143 @@ def quantize_matmuls(
     quantizer.process()
     result = quantizer.model.model
     return result, sum(1 for node in result.graph.node if node.op_type == "MatMulNBits")
+
+
+def quantize_streamed(
+    model,
+    bits: int,
+    data: Path,
+    *,
+    block_size: int = BLOCK_SIZE,
+    accuracy_level: int = ACCURACY_LEVEL,
+    symmetric: bool = SYMMETRIC,
+    progress: Progress | None = None,
+) -> int:
+    """:func:`quantize_matmuls` on an ``onnx_ir`` model one weight at a time; returns how many MatMuls.
+
+    ONNX Runtime's quantizer runs on a one-MatMul model of each weight, and its ``MatMulNBits`` node takes
+    the MatMul's place. Every weight of the result (quantized or kept) is appended to ``data`` at once,
+    each at a page boundary, and the model points at it: memory holds one weight and its quantized
+    form, never the graph's weights (a fp32 8B graph is 32 GB).
+    """
+    import onnx_ir as ir
+
+    say = progress or (lambda message: None)
+    targets = [node for node in model.graph if _quantizable(node)]
+    opset = model.opset_imports.get("", 18)
+    done: dict[str, tuple] = {}  # weight name -> (MatMulNBits inputs beside the activation, attributes, name suffix)
+    begin, last = time.perf_counter(), 0.0
+    with open(data, "wb") as sink:
+        for count, node in enumerate(targets, 1):
+            weight = node.inputs[1]
+            if weight.name not in done:
+                done[weight.name] = _quantize_weight(
+                    weight, bits, (block_size, accuracy_level, symmetric), opset, sink, data
+                )
+                for value in done[weight.name][0]:
+                    if value is not None:
+                        model.graph.register_initializer(value)
+            values, attributes, suffix = done[weight.name]
+            replacement = ir.node(
+                "MatMulNBits",
+                [node.inputs[0], *values],
+                attributes=attributes,
+                domain=MS_DOMAIN,
+                name=node.name + suffix,  # named as the whole-graph quantizer names it
+            )
+            model.graph.insert_before(node, replacement)
+            out = node.outputs[0]
+            name = out.name
+            out.replace_all_uses_with(replacement.outputs[0], replace_graph_outputs=True)
+            model.graph.remove(node, safe=True)
+            replacement.outputs[0].name = name
+            if not weight.uses() and weight.name in model.graph.initializers:
+                model.graph.initializers.pop(weight.name)
+            now = time.perf_counter()
+            if now - last >= 2.0 or count == len(targets):
+                last, rate = now, count / (now - begin)
+                say(f"quantizing weights: {count}/{len(targets)} MatMuls, ETA {(len(targets) - count) / rate:.0f} s")
+        for value in model.graph.initializers.values():  # what stays: embedding, norms, tables
+            tensor = value.const_value
+            if tensor is not None and tensor.nbytes >= EXTERNAL_MIN_BYTES and not _in_file(tensor, data):
+                value.const_value = _append(sink, tensor, data)
+    model.opset_imports.setdefault(MS_DOMAIN, 1)
+    return len(targets)
+
+
+MS_DOMAIN = "com.microsoft"
+ONE = "one"  # the MatMul of a one-weight model; the quantizer names its node from it
+
+
+def _quantizable(node) -> bool:
+    """A MatMul whose second input is a constant 2-D float weight (what ONNX Runtime's quantizer takes)."""
+    if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
+        return False
+    weight = node.inputs[1]
+    tensor = weight.const_value if weight is not None and weight.is_initializer() else None
+    return tensor is not None and len(tensor.shape) == 2 and tensor.dtype.name == "FLOAT"
+
+
+def _quantize_weight(weight, bits: int, settings: tuple, opset: int, sink, data: Path):
+    """ONNX Runtime's quantizer on ``weight`` alone: (its MatMulNBits inputs appended to ``sink``, attributes,
+    node name suffix)."""
+    import onnx
+    import onnx_ir as ir
+    from onnx import helper, numpy_helper
+
+    tensor = weight.const_value
+    k, n = tensor.shape
+    proto = helper.make_model(
+        helper.make_graph(
+            [helper.make_node("MatMul", ["x", weight.name], ["y"], name=ONE)],
+            "one",
+            [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, k])],
+            [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, n])],
+            initializer=[numpy_helper.from_array(tensor.numpy(), weight.name)],
+        ),
+        opset_imports=[helper.make_opsetid("", opset)],
+    )
+    if isinstance(tensor, ir.ExternalTensor):
+        tensor.release()  # its pages leave this process's memory: the proto holds the copy
+    block_size, accuracy_level, symmetric = settings
+    quantized, count = quantize_matmuls(
+        proto, bits, block_size=block_size, accuracy_level=accuracy_level, symmetric=symmetric
+    )
+    del proto
+    assert count == 1, f"ONNX Runtime's quantizer took {count} MatMuls of the one-weight model of {weight.name}"
+    [node] = [n for n in quantized.graph.node if n.op_type == "MatMulNBits"]
+    constants = {t.name: t for t in quantized.graph.initializer}
+    values = []
+    for name in node.input[1:]:
+        if not name:
+            values.append(None)
+            continue
+        array = numpy_helper.to_array(constants[name])
+        stored = _append(sink, ir.tensor(array, name=name), data)
+        values.append(ir.Value(name=name, shape=stored.shape, type=ir.TensorType(stored.dtype), const_value=stored))
+    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    return values, attributes, node.name.removeprefix(ONE)
+
+
+def _append(sink, tensor, data: Path):
+    """Write ``tensor`` to the open ``data`` file at the next page boundary; the external tensor pointing at it."""
+    import onnx_ir as ir
+
+    offset = -(-sink.tell() // PAGE_BYTES) * PAGE_BYTES
+    sink.seek(offset)
+    tensor.tofile(sink)
+    length = sink.tell() - offset
+    if isinstance(tensor, ir.ExternalTensor):
+        tensor.release()
+    return ir.ExternalTensor(
+        data.name, offset, length, tensor.dtype, shape=tensor.shape, name=tensor.name, base_dir=data.parent
+    )
+
+
+def _in_file(tensor, data: Path) -> bool:
+    import onnx_ir as ir
+
+    return isinstance(tensor, ir.ExternalTensor) and Path(tensor.path) == data
 
 
 def ort_offline(source: Path, target: Path) -> None:
@@ -188,8 +325,6 @@ def optimize_graph(
     begin = time.perf_counter()
     model = ir.load(str(source))  # weights stay in the source's external data until needed
     bits = BITS.get(weight_format)
-    if bits is not None:
-        ir.external_data.load_to_model(model)  # in memory: the quantizer reads weights from the proto
     say("fusing RMSNorm and skip-RMSNorm (onnxscript)")
     contract_shapes = {value.name: value.shape for value in (*model.graph.inputs, *model.graph.outputs)}
     fusions = fuse(model)
@@ -218,11 +353,17 @@ def optimize_graph(
         with tempfile.TemporaryDirectory(prefix=".optimize-", dir=target.parent) as tmp:
             staged = Path(tmp) / "model.onnx"
             fusions["materialized_weights"] = materialize_transposed_weights(model)
-            say(f"quantizing MatMul weights to {weight_format} (MatMulNBits, block {block_size})")
-            proto, quantized = quantize_matmuls(
-                ir.to_proto(model), bits, block_size=block_size, accuracy_level=accuracy_level, symmetric=symmetric
+            say(f"quantizing MatMul weights to {weight_format} (MatMulNBits, block {block_size}), one at a time")
+            quantized = quantize_streamed(
+                model,
+                bits,
+                staged.with_name(staged.name + ".data"),
+                block_size=block_size,
+                accuracy_level=accuracy_level,
+                symmetric=symmetric,
+                progress=say,
             )
-            _save_proto(proto, staged)
+            ir.save(model, str(staged))  # the weights are in its .data file already
             say("optimizing the graph with ONNX Runtime (extended level)")
             ort_offline(staged, target)
     return RuntimeGraph(
@@ -310,19 +451,6 @@ def _versions() -> str:
     import onnxscript
 
     return f"onnxruntime={onnxruntime.__version__};onnxscript={onnxscript.__version__}"
-
-
-def _save_proto(proto, path: Path) -> None:
-    import onnx
-
-    onnx.save_model(
-        proto,
-        str(path),
-        save_as_external_data=True,
-        all_tensors_to_one_file=True,
-        location=path.name + ".data",
-        size_threshold=EXTERNAL_MIN_BYTES,
-    )
 
 
 def _count_ops(model, op_type: str) -> int:
