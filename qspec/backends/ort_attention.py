@@ -252,7 +252,18 @@ def _packed_qkv(graph, nodes: list, outputs, prefix: str):
         matmuls.append(node)
 
     def packed(name: str, values, axis: int) -> ir.Value:
-        return initializer(graph, name, np.concatenate([v.const_value.numpy() for v in values], axis=axis))
+        # Lazy: concatenated when written or quantized, so the graph never holds every layer's packed copy.
+        parts = [v.const_value for v in values]
+        dims = list(parts[0].shape)
+        dims[axis] = sum(part.shape[axis] for part in parts)
+
+        def concatenate():
+            return ir.tensor(np.concatenate([part.numpy() for part in parts], axis=axis), name=name)
+
+        tensor = ir.LazyTensor(concatenate, dtype=parts[0].dtype, shape=ir.Shape(dims), name=name)
+        value = ir.Value(name=name, shape=ir.Shape(dims), type=ir.TensorType(tensor.dtype), const_value=tensor)
+        graph.register_initializer(value)
+        return value
 
     weight = packed(prefix + "qkv_proj.weight", [m.inputs[1] for m in matmuls], axis=1)  # [in, q + k + v]
     node = ir.node("MatMul", [matmuls[0].inputs[0], weight], name=prefix + "qkv_proj")

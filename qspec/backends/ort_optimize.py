@@ -218,8 +218,7 @@ def _quantize_weight(weight, bits: int, settings: tuple, opset: int, sink, data:
         ),
         opset_imports=[helper.make_opsetid("", opset)],
     )
-    if isinstance(tensor, ir.ExternalTensor):
-        tensor.release()  # its pages leave this process's memory: the proto holds the copy
+    _release(tensor)  # its pages leave this process's memory: the proto holds the copy
     block_size, accuracy_level, symmetric = settings
     quantized, count = quantize_matmuls(
         proto, bits, block_size=block_size, accuracy_level=accuracy_level, symmetric=symmetric
@@ -248,11 +247,24 @@ def _append(sink, tensor, data: Path):
     sink.seek(offset)
     tensor.tofile(sink)
     length = sink.tell() - offset
-    if isinstance(tensor, ir.ExternalTensor):
-        tensor.release()
+    _release(tensor)
     return ir.ExternalTensor(
         data.name, offset, length, tensor.dtype, shape=tensor.shape, name=tensor.name, base_dir=data.parent
     )
+
+
+def _release(tensor) -> None:
+    """Unmap an external tensor's file, so the pages read through it stop counting in this process's memory.
+
+    Where another array still views it (a table a fusion read), it stays mapped until that one goes.
+    """
+    import onnx_ir as ir
+
+    if isinstance(tensor, ir.ExternalTensor):
+        try:
+            tensor.release()
+        except BufferError:
+            pass
 
 
 def _in_file(tensor, data: Path) -> bool:

@@ -26,7 +26,6 @@ class Checkpoint:
 
     def __init__(self, files: dict[str, Path]):
         self._files = files  # tensor name -> shard file
-        self._open: dict[Path, object] = {}
 
     @classmethod
     def find(cls, folder: Path) -> Checkpoint | None:
@@ -51,15 +50,15 @@ class Checkpoint:
         return name in self._files
 
     def read(self, name: str):
-        """Tensor ``name`` as stored (its own memory: nothing else of the shard is kept)."""
-        return self._handle(self._files[name]).get_tensor(name)
+        """Tensor ``name`` as stored, in memory of its own.
 
-    def _handle(self, path: Path):
-        if path not in self._open:
-            from safetensors import safe_open
+        The shard is opened for this one read: an open shard stays mapped, and every page read
+        through it would count in this process's resident memory until the export ends.
+        """
+        from safetensors import safe_open
 
-            self._open[path] = safe_open(path, framework="pt")
-        return self._open[path]
+        with safe_open(self._files[name], framework="pt") as handle:
+            return handle.get_tensor(name)
 
 
 class StreamedWeights:
