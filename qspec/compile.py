@@ -39,7 +39,6 @@ from qspec.package import (
     attention_slack,
     copy_file,
     dump_manifest,
-    link_file,
     read_manifest,
     runtime_graph_file,
     write_package_atomic,
@@ -254,17 +253,12 @@ def _runtime_graph(
 
 
 def _write_files(folder: Path, exported: _Exported, graph: _Graph | None, spec_format: SpecFormat) -> None:
-    """The vendor graph, the runtime graph, the tokenizer and the specializations file.
-
-    Backend ort: the graphs are hard links to the caches' files (weights on disk once, see
-    :func:`link_file`); backend qaic: copies, since the vendor compiler's ONNX loader refuses hard links.
-    """
-    place = link_file if graph is not None else copy_file
+    """The vendor graph, the runtime graph, the tokenizer and the specializations file."""
     for path in sorted(exported.folder.glob(ONNX_FILE + "*")):
-        place(path, folder / path.name)
+        copy_file(path, folder / path.name)
     if graph is not None:
         for path in sorted(graph.folder.glob(ORT_ONNX_FILE + "*")):
-            place(path, folder / path.name)
+            copy_file(path, folder / path.name)
     shutil.copytree(exported.folder / TOKENIZER_DIR, folder / TOKENIZER_DIR)
     write_specializations(exported.specs, folder / SPECIALIZATIONS_FILE, fmt=spec_format)
 

@@ -282,22 +282,8 @@ def write_package_atomic(target: Path, build: Callable[[Path], None]) -> None:
 
 
 def copy_file(source: Path, target: Path) -> None:
-    """Copy ``source`` to ``target``; not a hard link: onnx refuses external data with several links."""
+    """Copy ``source`` to ``target``; not a hard link: onnx and onnx_ir refuse external data with several links."""
     shutil.copyfile(source, target)
-
-
-def link_file(source: Path, target: Path) -> None:
-    """Hard-link ``source`` at ``target`` (the bytes stay on disk once), or copy it across file systems.
-
-    A hard link is a second name of the same file, not a reference: the package keeps working when it
-    is moved or the export cache is cleared. ONNX Runtime and onnx_ir read hard-linked external data;
-    the ``onnx`` package refuses it (its hardlink-attack check), so what a vendor tool reads is copied
-    (:func:`copy_file`). Exports and runtime graphs are written once and replaced, never changed in place.
-    """
-    try:
-        os.link(source, target)
-    except OSError:  # another file system, or links not supported
-        copy_file(source, target)
 
 
 def dump_manifest(manifest: Manifest, folder: Path) -> None:

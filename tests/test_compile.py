@@ -72,26 +72,3 @@ def test_check_fails_in_one_line_when_a_specialization_does_not_run(package, mon
             progress=lambda message: None,
         )
     assert "\n" not in str(caught.value)
-
-
-def test_package_shares_the_caches_weights_and_runs_moved_without_them(tiny_model, tmp_path, monkeypatch):
-    """Backend ort: the package's weights are hard links to the caches' files (on disk once); moved, with the
-    cache deleted, it still loads and generates."""
-    import shutil
-    import subprocess
-    import sys
-
-    monkeypatch.setenv("QSPEC_CACHE_DIR", str(tmp_path / "cache"))
-    config = make_config(num_speculative_tokens="0,4", prefill_seq_len=8, ctx_len=32)
-    folder, manifest, _ = compile_package(
-        tiny_model("qwen2"), CompileOptions(specialization=config), output=tmp_path / "p"
-    )
-    for name in ("model.onnx.data", manifest.runtime_graph.data_file):
-        assert (folder / name).stat().st_nlink == 2  # one file, two names: the cache's and the package's
-    moved = tmp_path / "elsewhere" / "p"
-    moved.parent.mkdir()
-    folder.rename(moved)
-    shutil.rmtree(tmp_path / "cache")
-    run = [sys.executable, "-m", "qspec", "generate", str(moved), "--prompt", "abcabc", "--max-new-tokens", "4"]
-    result = subprocess.run(run, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
