@@ -136,25 +136,23 @@ def quantize_streamed(
 ) -> int:
     """:func:`quantize_matmuls` on an ``onnx_ir`` model one weight at a time; returns how many MatMuls.
 
-    ONNX Runtime's quantizer runs on a one-MatMul model of each weight, and its ``MatMulNBits`` node takes
-    the MatMul's place. Every weight of the result (quantized or kept) is appended to ``data`` at once,
-    each at a page boundary, and the model points at it: memory holds one weight and its quantized
-    form, never the graph's weights (a fp32 8B graph is 32 GB).
+    ONNX Runtime's block quantizer (the kernel ``MatMulNBitsQuantizer`` calls) runs on each weight, and a
+    ``MatMulNBits`` node as that quantizer makes it takes the MatMul's place. Every weight of the result
+    (quantized or kept) is appended to ``data`` at once, each at a page boundary, and the model points
+    at it: memory holds one weight and its quantized form, never the graph's weights (a fp32 8B graph
+    is 32 GB).
     """
     import onnx_ir as ir
 
     say = progress or (lambda message: None)
     targets = [node for node in model.graph if _quantizable(node)]
-    opset = model.opset_imports.get("", 18)
     done: dict[str, tuple] = {}  # weight name -> (MatMulNBits inputs beside the activation, attributes, name suffix)
     begin, last = time.perf_counter(), 0.0
     with open(data, "wb") as sink:
         for count, node in enumerate(targets, 1):
             weight = node.inputs[1]
             if weight.name not in done:
-                done[weight.name] = _quantize_weight(
-                    weight, bits, (block_size, accuracy_level, symmetric), opset, sink, data
-                )
+                done[weight.name] = _quantize_weight(weight, bits, (block_size, accuracy_level, symmetric), sink, data)
                 for value in done[weight.name][0]:
                     if value is not None:
                         model.graph.register_initializer(value)
@@ -187,7 +185,6 @@ def quantize_streamed(
 
 
 MS_DOMAIN = "com.microsoft"
-ONE = "one"  # the MatMul of a one-weight model; the quantizer names its node from it
 
 
 def _quantizable(node) -> bool:
@@ -199,44 +196,38 @@ def _quantizable(node) -> bool:
     return tensor is not None and len(tensor.shape) == 2 and tensor.dtype.name == "FLOAT"
 
 
-def _quantize_weight(weight, bits: int, settings: tuple, opset: int, sink, data: Path):
-    """ONNX Runtime's quantizer on ``weight`` alone: (its MatMulNBits inputs appended to ``sink``, attributes,
-    node name suffix)."""
-    import onnx
-    import onnx_ir as ir
-    from onnx import helper, numpy_helper
+def _quantize_weight(weight, bits: int, settings: tuple, sink, data: Path):
+    """ONNX Runtime's block quantizer on ``weight`` alone: (its MatMulNBits inputs, appended to ``sink``;
+    the node's attributes; its name suffix), named and laid out as ``MatMulNBitsQuantizer`` makes them.
 
-    tensor = weight.const_value
-    k, n = tensor.shape
-    proto = helper.make_model(
-        helper.make_graph(
-            [helper.make_node("MatMul", ["x", weight.name], ["y"], name=ONE)],
-            "one",
-            [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, k])],
-            [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, n])],
-            initializer=[numpy_helper.from_array(tensor.numpy(), weight.name)],
-        ),
-        opset_imports=[helper.make_opsetid("", opset)],
+    The weight is read in place (a view of the mapped file where it is external): no copy of it is made.
+    """
+    import onnx_ir as ir
+    from onnxruntime.quantization.matmul_nbits_quantizer import (
+        DefaultWeightOnlyQuantConfig,
+        DefaultWeightOnlyQuantizer,
     )
-    _release(tensor)  # its pages leave this process's memory: the proto holds the copy
+
     block_size, accuracy_level, symmetric = settings
-    quantized, count = quantize_matmuls(
-        proto, bits, block_size=block_size, accuracy_level=accuracy_level, symmetric=symmetric
+    config = DefaultWeightOnlyQuantConfig(
+        block_size=block_size, is_symmetric=symmetric, accuracy_level=accuracy_level, bits=bits
     )
-    del proto
-    assert count == 1, f"ONNX Runtime's quantizer took {count} MatMuls of the one-weight model of {weight.name}"
-    [node] = [n for n in quantized.graph.node if n.op_type == "MatMulNBits"]
-    constants = {t.name: t for t in quantized.graph.initializer}
+    array = weight.const_value.numpy()  # [K, N]
+    packed, scales, zero_points = DefaultWeightOnlyQuantizer(config).qbits_block_quant(array)
+    k, n = array.shape
+    del array
+    _release(weight.const_value)
+    arrays = {f"{weight.name}_Q{bits}": packed, f"{weight.name}_scales": scales}
+    if not symmetric:
+        arrays[f"{weight.name}_zero_points"] = zero_points
     values = []
-    for name in node.input[1:]:
-        if not name:
-            values.append(None)
-            continue
-        array = numpy_helper.to_array(constants[name])
-        stored = _append(sink, ir.tensor(array, name=name), data)
+    for name, quantized in arrays.items():
+        stored = _append(sink, ir.tensor(quantized, name=name), data)
         values.append(ir.Value(name=name, shape=stored.shape, type=ir.TensorType(stored.dtype), const_value=stored))
-    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    return values, attributes, node.name.removeprefix(ONE)
+    attributes = {"K": k, "N": n, "bits": bits, "block_size": block_size}
+    if accuracy_level:  # the quantizer leaves an unset level out
+        attributes["accuracy_level"] = accuracy_level
+    return values, attributes, f"_Q{bits}"
 
 
 def _append(sink, tensor, data: Path):
