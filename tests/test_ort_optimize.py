@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import pytest
 from onnx import numpy_helper
 
-from qspec.backends.ort_optimize import quantize_matmuls, quantize_streamed
+from qspec.backends.ort_optimize import materialize_transposed_weights, quantize_matmuls, quantize_streamed
 from qspec.export import ExportOptions, export_model
 from qspec.export.exporter import ONNX_FILE
 
@@ -24,17 +25,21 @@ def _nbits(proto) -> dict[str, tuple]:
     }
 
 
-def test_streamed_quantization_equals_the_whole_graph_quantizer(tiny_model, tmp_path):
-    """ONNX Runtime's quantizer on each weight alone gives the nodes and tensors it gives on the whole graph."""
+@pytest.mark.parametrize("bits,tie", [(4, False), (8, True)])
+def test_streamed_quantization_equals_the_whole_graph_quantizer(tiny_model, tmp_path, bits, tie):
+    """ONNX Runtime's quantizer on each weight alone gives the nodes and tensors it gives on the whole graph,
+    a tied head (a transposed view of the embedding, folded) included."""
     import onnx_ir as ir
 
-    folder, _ = export_model(tiny_model("llama", tie=False), ExportOptions())
+    folder, _ = export_model(tiny_model("llama", tie=tie), ExportOptions())
     whole = ir.load(str(folder / ONNX_FILE))
     ir.external_data.load_to_model(whole)
-    expected, count = quantize_matmuls(ir.to_proto(whole), 4)
+    materialize_transposed_weights(whole)
+    expected, count = quantize_matmuls(ir.to_proto(whole), bits)
 
     model = ir.load(str(folder / ONNX_FILE))
-    assert quantize_streamed(model, 4, tmp_path / "q.onnx.data") == count > 0
+    assert materialize_transposed_weights(model) == int(tie)
+    assert quantize_streamed(model, bits, tmp_path / "q.onnx.data") == count > 0
     ir.save(model, str(tmp_path / "q.onnx"))
     assert all(
         v.const_value is None or v.const_value.nbytes < 1024 or isinstance(v.const_value, ir.ExternalTensor)

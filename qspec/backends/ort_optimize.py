@@ -200,8 +200,9 @@ def _quantize_weight(weight, bits: int, settings: tuple, sink, data: Path):
     """ONNX Runtime's block quantizer on ``weight`` alone: (its MatMulNBits inputs, appended to ``sink``;
     the node's attributes; its name suffix), named and laid out as ``MatMulNBitsQuantizer`` makes them.
 
-    The weight is read in place (a view of the mapped file where it is external): no copy of it is made.
+    A weight in C order is read in place (a view of the mapped file where it is external), without a copy.
     """
+    import numpy as np
     import onnx_ir as ir
     from onnxruntime.quantization.matmul_nbits_quantizer import (
         DefaultWeightOnlyQuantConfig,
@@ -212,7 +213,8 @@ def _quantize_weight(weight, bits: int, settings: tuple, sink, data: Path):
     config = DefaultWeightOnlyQuantConfig(
         block_size=block_size, is_symmetric=symmetric, accuracy_level=accuracy_level, bits=bits
     )
-    array = weight.const_value.numpy()  # [K, N]
+    # [K, N], C order: the kernel reads raw memory (a folded tied head is a transposed view of the embedding)
+    array = np.ascontiguousarray(weight.const_value.numpy())
     packed, scales, zero_points = DefaultWeightOnlyQuantizer(config).qbits_block_quant(array)
     k, n = array.shape
     del array
