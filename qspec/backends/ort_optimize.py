@@ -36,6 +36,7 @@ The result keeps the contract's inputs, outputs and symbolic dimensions; the par
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import tempfile
 import time
@@ -254,10 +255,8 @@ def _release(tensor) -> None:
     import onnx_ir as ir
 
     if isinstance(tensor, ir.ExternalTensor):
-        try:
+        with contextlib.suppress(BufferError):
             tensor.release()
-        except BufferError:
-            pass
 
 
 def _in_file(tensor, data: Path) -> bool:
