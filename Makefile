@@ -16,7 +16,7 @@ SERVE_PACKAGE := packages/smollm2-k0_4-fbs4
 DEMO_PROMPT := examples/code_edit.txt
 export HF_HUB_OFFLINE := 1
 
-.PHONY: install model peers demo head lint test test-fast bench bench-full serve-package serve serve-load clean
+.PHONY: install model peers demo head lint test test-fast bench bench-full scale serve-package serve serve-load clean
 
 install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
@@ -66,6 +66,17 @@ test: install model lint
 
 test-fast: install
 	$(BIN)/pytest -q -m "not slow"
+
+# A Llama-3.2-1B (SCALE=1b) or Llama-3.1-8B (SCALE=8b) shaped model with random bf16 weights: checkpoint written
+# shard by shard, cold int4 compile, parity of a 2-layer cut, none == pld, 2 slots; times, peak RSS, bytes written
+# into docs/bench/scale/$(SCALE).json (docs/scale.md). 8b needs ~100 GB of free disk in $(SCALE_WORK) (checkpoint
+# 16 GB, fp32 export 32 GB, package copies ~40 GB): SCALE_ARGS=--no-batching skips the second (2-slot) compile.
+SCALE ?= 1b
+SCALE_WORK ?= /tmp/qspec-scale
+SCALE_ARGS ?=
+scale: install
+	nice -n 10 $(BIN)/python scripts/export_scale.py --preset $(SCALE) --work $(SCALE_WORK) --report docs/bench/scale \
+	  $(SCALE_ARGS)
 
 bench: install model peers
 	$(BIN)/qspec bench $(GGUF) --output bench-out

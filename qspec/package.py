@@ -282,7 +282,7 @@ def write_package_atomic(target: Path, build: Callable[[Path], None]) -> None:
 
 
 def copy_file(source: Path, target: Path) -> None:
-    """Copy ``source`` to ``target``; not a hard link: onnx refuses external data with several links."""
+    """Copy ``source`` to ``target``; not a hard link: onnx and onnx_ir refuse external data with several links."""
     shutil.copyfile(source, target)
 
 

@@ -36,6 +36,7 @@ The result keeps the contract's inputs, outputs and symbolic dimensions; the par
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import tempfile
 import time
@@ -60,7 +61,7 @@ ACCURACY_LEVEL = INT8_ACTIVATIONS
 # kernels skip the zero-point correction, faster than asymmetric blocks at the same agreement with fp32.
 SYMMETRIC = True
 # Bump when the recipe below changes: cached runtime graphs are keyed by it.
-RECIPE_VERSION = 24
+RECIPE_VERSION = 25
 GRAPH_META = "graph.json"
 # Initializers below this size stay inside the .onnx file.
 EXTERNAL_MIN_BYTES = 1024
@@ -122,6 +123,146 @@ def quantize_matmuls(
     quantizer.process()
     result = quantizer.model.model
     return result, sum(1 for node in result.graph.node if node.op_type == "MatMulNBits")
+
+
+def quantize_streamed(
+    model,
+    bits: int,
+    data: Path,
+    *,
+    block_size: int = BLOCK_SIZE,
+    accuracy_level: int = ACCURACY_LEVEL,
+    symmetric: bool = SYMMETRIC,
+    progress: Progress | None = None,
+) -> int:
+    """:func:`quantize_matmuls` on an ``onnx_ir`` model one weight at a time; returns how many MatMuls.
+
+    ONNX Runtime's block quantizer (the kernel ``MatMulNBitsQuantizer`` calls) runs on each weight, and a
+    ``MatMulNBits`` node as that quantizer makes it takes the MatMul's place. Every weight of the result
+    (quantized or kept) is appended to ``data`` at once, each at a page boundary, and the model points
+    at it: memory holds one weight and its quantized form, never the graph's weights (a fp32 8B graph
+    is 32 GB).
+    """
+    import onnx_ir as ir
+
+    say = progress or (lambda message: None)
+    targets = [node for node in model.graph if _quantizable(node)]
+    done: dict[str, tuple] = {}  # weight name -> (MatMulNBits inputs beside the activation, attributes, name suffix)
+    begin, last = time.perf_counter(), 0.0
+    with open(data, "wb") as sink:
+        for count, node in enumerate(targets, 1):
+            weight = node.inputs[1]
+            if weight.name not in done:
+                done[weight.name] = _quantize_weight(weight, bits, (block_size, accuracy_level, symmetric), sink, data)
+                for value in done[weight.name][0]:
+                    if value is not None:
+                        model.graph.register_initializer(value)
+            values, attributes, suffix = done[weight.name]
+            replacement = ir.node(
+                "MatMulNBits",
+                [node.inputs[0], *values],
+                attributes=attributes,
+                domain=MS_DOMAIN,
+                name=node.name + suffix,  # named as the whole-graph quantizer names it
+            )
+            model.graph.insert_before(node, replacement)
+            out = node.outputs[0]
+            name = out.name
+            out.replace_all_uses_with(replacement.outputs[0], replace_graph_outputs=True)
+            model.graph.remove(node, safe=True)
+            replacement.outputs[0].name = name
+            if not weight.uses() and weight.name in model.graph.initializers:
+                model.graph.initializers.pop(weight.name)
+            now = time.perf_counter()
+            if now - last >= 2.0 or count == len(targets):
+                last, rate = now, count / (now - begin)
+                say(f"quantizing weights: {count}/{len(targets)} MatMuls, ETA {(len(targets) - count) / rate:.0f} s")
+        for value in model.graph.initializers.values():  # what stays: embedding, norms, tables
+            tensor = value.const_value
+            if tensor is not None and tensor.nbytes >= EXTERNAL_MIN_BYTES and not _in_file(tensor, data):
+                value.const_value = _append(sink, tensor, data)
+    model.opset_imports.setdefault(MS_DOMAIN, 1)
+    return len(targets)
+
+
+MS_DOMAIN = "com.microsoft"
+
+
+def _quantizable(node) -> bool:
+    """A MatMul whose second input is a constant 2-D float weight (what ONNX Runtime's quantizer takes)."""
+    if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
+        return False
+    weight = node.inputs[1]
+    tensor = weight.const_value if weight is not None and weight.is_initializer() else None
+    return tensor is not None and len(tensor.shape) == 2 and tensor.dtype.name == "FLOAT"
+
+
+def _quantize_weight(weight, bits: int, settings: tuple, sink, data: Path):
+    """ONNX Runtime's block quantizer on ``weight`` alone: (its MatMulNBits inputs, appended to ``sink``;
+    the node's attributes; its name suffix), named and laid out as ``MatMulNBitsQuantizer`` makes them.
+
+    A weight in C order is read in place (a view of the mapped file where it is external), without a copy.
+    """
+    import numpy as np
+    import onnx_ir as ir
+    from onnxruntime.quantization.matmul_nbits_quantizer import (
+        DefaultWeightOnlyQuantConfig,
+        DefaultWeightOnlyQuantizer,
+    )
+
+    block_size, accuracy_level, symmetric = settings
+    config = DefaultWeightOnlyQuantConfig(
+        block_size=block_size, is_symmetric=symmetric, accuracy_level=accuracy_level, bits=bits
+    )
+    # [K, N], C order: the kernel reads raw memory (a folded tied head is a transposed view of the embedding)
+    array = np.ascontiguousarray(weight.const_value.numpy())
+    packed, scales, zero_points = DefaultWeightOnlyQuantizer(config).qbits_block_quant(array)
+    k, n = array.shape
+    del array
+    _release(weight.const_value)
+    arrays = {f"{weight.name}_Q{bits}": packed, f"{weight.name}_scales": scales}
+    if not symmetric:
+        arrays[f"{weight.name}_zero_points"] = zero_points
+    values = []
+    for name, quantized in arrays.items():
+        stored = _append(sink, ir.tensor(quantized, name=name), data)
+        values.append(ir.Value(name=name, shape=stored.shape, type=ir.TensorType(stored.dtype), const_value=stored))
+    attributes = {"K": k, "N": n, "bits": bits, "block_size": block_size}
+    if accuracy_level:  # the quantizer leaves an unset level out
+        attributes["accuracy_level"] = accuracy_level
+    return values, attributes, f"_Q{bits}"
+
+
+def _append(sink, tensor, data: Path):
+    """Write ``tensor`` to the open ``data`` file at the next page boundary; the external tensor pointing at it."""
+    import onnx_ir as ir
+
+    offset = -(-sink.tell() // PAGE_BYTES) * PAGE_BYTES
+    sink.seek(offset)
+    tensor.tofile(sink)
+    length = sink.tell() - offset
+    _release(tensor)
+    return ir.ExternalTensor(
+        data.name, offset, length, tensor.dtype, shape=tensor.shape, name=tensor.name, base_dir=data.parent
+    )
+
+
+def _release(tensor) -> None:
+    """Unmap an external tensor's file, so the pages read through it stop counting in this process's memory.
+
+    Where another array still views it (a table a fusion read), it stays mapped until that one goes.
+    """
+    import onnx_ir as ir
+
+    if isinstance(tensor, ir.ExternalTensor):
+        with contextlib.suppress(BufferError):
+            tensor.release()
+
+
+def _in_file(tensor, data: Path) -> bool:
+    import onnx_ir as ir
+
+    return isinstance(tensor, ir.ExternalTensor) and Path(tensor.path) == data
 
 
 def ort_offline(source: Path, target: Path) -> None:
@@ -188,8 +329,6 @@ def optimize_graph(
     begin = time.perf_counter()
     model = ir.load(str(source))  # weights stay in the source's external data until needed
     bits = BITS.get(weight_format)
-    if bits is not None:
-        ir.external_data.load_to_model(model)  # in memory: the quantizer reads weights from the proto
     say("fusing RMSNorm and skip-RMSNorm (onnxscript)")
     contract_shapes = {value.name: value.shape for value in (*model.graph.inputs, *model.graph.outputs)}
     fusions = fuse(model)
@@ -218,11 +357,17 @@ def optimize_graph(
         with tempfile.TemporaryDirectory(prefix=".optimize-", dir=target.parent) as tmp:
             staged = Path(tmp) / "model.onnx"
             fusions["materialized_weights"] = materialize_transposed_weights(model)
-            say(f"quantizing MatMul weights to {weight_format} (MatMulNBits, block {block_size})")
-            proto, quantized = quantize_matmuls(
-                ir.to_proto(model), bits, block_size=block_size, accuracy_level=accuracy_level, symmetric=symmetric
+            say(f"quantizing MatMul weights to {weight_format} (MatMulNBits, block {block_size}), one at a time")
+            quantized = quantize_streamed(
+                model,
+                bits,
+                staged.with_name(staged.name + ".data"),
+                block_size=block_size,
+                accuracy_level=accuracy_level,
+                symmetric=symmetric,
+                progress=say,
             )
-            _save_proto(proto, staged)
+            ir.save(model, str(staged))  # the weights are in its .data file already
             say("optimizing the graph with ONNX Runtime (extended level)")
             ort_offline(staged, target)
     return RuntimeGraph(
@@ -310,19 +455,6 @@ def _versions() -> str:
     import onnxscript
 
     return f"onnxruntime={onnxruntime.__version__};onnxscript={onnxscript.__version__}"
-
-
-def _save_proto(proto, path: Path) -> None:
-    import onnx
-
-    onnx.save_model(
-        proto,
-        str(path),
-        save_as_external_data=True,
-        all_tensors_to_one_file=True,
-        location=path.name + ".data",
-        size_threshold=EXTERNAL_MIN_BYTES,
-    )
 
 
 def _count_ops(model, op_type: str) -> int:

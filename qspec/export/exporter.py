@@ -20,6 +20,7 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -27,8 +28,11 @@ from qspec import __version__
 from qspec.common import build_directory
 from qspec.errors import ConfigError, QSpecError
 from qspec.export.graph import OPSET, ExportOptions, check_graph
-from qspec.export.loader import ModelSource, load_model, resolve_source, source_digest
+from qspec.export.loader import ModelSource, load_model, load_skeleton, materialize, resolve_source, source_digest
 from qspec.export.wrapper import adapter_for, attention_info
+
+if TYPE_CHECKING:
+    from qspec.export.checkpoint import Checkpoint
 from qspec.package import ONNX_FILE, TOKENIZER_DIR, ModelInfo
 
 EXPORT_META = "export.json"
@@ -53,6 +57,8 @@ class ExportMeta(BaseModel):
     phase_seconds: dict[str, float] = Field(default_factory=dict)  # load, trace, optimize, compose, save, check
     onnx_bytes: int
     data_bytes: int
+    streamed: bool = False  # weights read tensor by tensor from the checkpoint (never the whole model)
+    peak_rss_bytes: int | None = None  # of the export process
 
 
 def cache_root() -> Path:
@@ -189,13 +195,18 @@ def _export_into(folder: Path, source: ModelSource, digest: str, key: str, optio
 
     start = time.perf_counter()
     say(f"loading {source.ref}")
-    model, tokenizer = load_model(source)
+    skeleton = load_skeleton(source)
+    if skeleton is not None:
+        model, tokenizer, checkpoint = skeleton
+        say("streaming the weights from the safetensors checkpoint (the model is never held whole)")
+    else:
+        (model, tokenizer), checkpoint = load_model(source), None
     adapter_for(model.config)  # unsupported families fail before the slow part
     if options.num_layers is not None:
         _truncate_layers(model, options.num_layers)
     info = _model_info(model, tokenizer)
     phases = {"load": round(time.perf_counter() - start, 2)}
-    phases |= trace_to_onnx(model, folder / ONNX_FILE, options, info, say)
+    phases |= trace_to_onnx(model, folder / ONNX_FILE, options, info, say, checkpoint=checkpoint)
     say("checking the ONNX graph")
     begin = time.perf_counter()
     check_graph(folder / ONNX_FILE, info.num_layers, options)
@@ -213,6 +224,8 @@ def _export_into(folder: Path, source: ModelSource, digest: str, key: str, optio
         phase_seconds=phases,
         onnx_bytes=(folder / ONNX_FILE).stat().st_size,
         data_bytes=sum(p.stat().st_size for p in folder.glob(ONNX_FILE + ".data")),
+        streamed=checkpoint is not None,
+        peak_rss_bytes=_peak_rss(),
     )
     (folder / EXPORT_META).write_text(meta.model_dump_json(indent=2) + "\n")
     return meta
@@ -248,15 +261,20 @@ def _model_info(model, tokenizer) -> ModelInfo:
     )
 
 
-def trace_to_onnx(model, path: Path, options: ExportOptions, info: ModelInfo, say: Progress) -> dict[str, float]:
+def trace_to_onnx(
+    model, path: Path, options: ExportOptions, info: ModelInfo, say: Progress, *, checkpoint: Checkpoint | None = None
+) -> dict[str, float]:
     """Trace the KV-explicit wrapper piece by piece and write the chained graph; returns phase seconds.
 
-    Weights go to ``<path>.data``. See :mod:`qspec.export.trace` for why pieces.
+    Weights go to ``<path>.data``. See :mod:`qspec.export.trace` for why pieces. With ``checkpoint``
+    the model is a skeleton (:func:`~qspec.export.loader.load_skeleton`): only the traced layers get
+    storage, and every weight is read from the checkpoint as it is written.
     """
     import torch
 
     from qspec.export import trace
-    from qspec.export.wrapper import KVExplicitLM, hold_weights_input_major
+    from qspec.export.checkpoint import StreamedWeights
+    from qspec.export.wrapper import InputMajorLinear, KVExplicitLM, hold_weights_input_major
 
     hold_weights_input_major(model)  # the graph stores MatMul weights [in, out]: nothing to transpose at load
     wrapper = KVExplicitLM(
@@ -266,6 +284,11 @@ def trace_to_onnx(model, path: Path, options: ExportOptions, info: ModelInfo, sa
         comp_ctx_lengths=options.comp_ctx_lengths,
         hidden_states=options.hidden_states,
     ).eval()
+    streamed = None
+    if checkpoint is not None:
+        materialize(model, trace.representative_layers(wrapper))
+        transposed = [f"{name}.weight" for name, mod in model.named_modules() if isinstance(mod, InputMajorLinear)]
+        streamed = StreamedWeights(checkpoint, transposed, progress=say)
     times = trace.TraceTimes()
     with _quiet(), torch.no_grad():
         try:
@@ -274,13 +297,24 @@ def trace_to_onnx(model, path: Path, options: ExportOptions, info: ModelInfo, sa
             raise QSpecError(f"ONNX export failed: {str(exc).strip().splitlines()[0]}") from exc
         say(f"chaining {info.num_layers} layers into one graph")
         begin = time.perf_counter()
-        graph = trace.compose(wrapper, pieces, options)
+        graph = trace.compose(wrapper, pieces, options, streamed=streamed)
         times.add("compose", time.perf_counter() - begin)
-        say("writing the graph and weights")
+        say(f"writing the graph and weights ({'from the checkpoint, ' if streamed else ''}tensor by tensor)")
         begin = time.perf_counter()
         trace.save(graph, path)
         times.add("save", time.perf_counter() - begin)
     return times.phases
+
+
+def _peak_rss() -> int | None:
+    """Peak resident memory of this process (Linux/macOS ``ru_maxrss``), or None where unknown."""
+    try:
+        import resource
+        import sys
+    except ImportError:
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 @contextlib.contextmanager

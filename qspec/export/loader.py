@@ -96,6 +96,71 @@ def load_model(source: ModelSource):
     return model.eval(), tokenizer
 
 
+def load_skeleton(source: ModelSource):
+    """``(model, tokenizer, checkpoint)`` with the model's parameters on the meta device, or None when the
+    weights cannot be streamed from a safetensors checkpoint (GGUF, ``.bin``, hub ids, other tensor names).
+
+    The weights are read later, tensor by tensor, by :class:`~qspec.export.checkpoint.StreamedWeights`;
+    buffers computed from the config (RoPE frequencies) are real.
+    """
+    if not source.is_local or source.gguf_file:
+        return None
+    from qspec.export.checkpoint import Checkpoint
+
+    checkpoint = Checkpoint.find(source.folder)
+    if checkpoint is None:
+        return None
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers.utils import logging as hf_logging
+
+    from qspec.export.wrapper import adapter_for
+
+    hf_logging.set_verbosity_error()
+    try:
+        config = AutoConfig.from_pretrained(source.folder)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"could not load model from '{source.folder}': {_first_line(exc)}") from exc
+    adapter_for(config)  # an unsupported family fails before anything else
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.tie_weights()  # from_pretrained ties them; on the meta device from_config does not
+    if not {name for name, _ in model.named_parameters()} <= checkpoint.names:
+        return None  # renamed or converted tensors: transformers' own loader knows how
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source.folder)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"could not load the tokenizer from '{source.folder}': {_first_line(exc)}") from exc
+    with contextlib.suppress(OSError, ValueError):  # the eos ids of generation_config.json, as from_pretrained
+        model.generation_config = GenerationConfig.from_pretrained(source.folder)
+    return model.eval(), tokenizer, checkpoint
+
+
+def materialize(model, layers) -> int:
+    """Give storage to the parameters outside the decoder layers and to those of ``layers``; returns
+    how many tensors got some.
+
+    The storage is uninitialized (``torch.empty``: no page is touched until written): the tracer needs
+    real tensors of the right shapes, never their values, and the graph's weights come from the
+    checkpoint. The layers not listed stay on the meta device. Tied parameters stay tied.
+    """
+    import torch
+    from torch import nn
+
+    keep = set(layers)
+    skip = {id(p) for i, layer in enumerate(model.model.layers) if i not in keep for p in layer.parameters()}
+    made: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if id(param) in skip or not param.is_meta:
+                continue
+            if id(param) not in made:
+                made[id(param)] = nn.Parameter(torch.empty(param.shape, dtype=param.dtype), requires_grad=False)
+            setattr(module, name, made[id(param)])
+    return len(made)
+
+
 @contextlib.contextmanager
 def _gguf_read_once():
     """Parse a GGUF file once per load, not four times.

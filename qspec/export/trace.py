@@ -19,7 +19,8 @@ through all of this (the tracer emits a node per call, the inlining passes know 
 The wrapper stays the one place that defines the computation: ``KVExplicitLM.forward`` chains the
 same three methods, and the parity tests compare the chained graph with the PyTorch model. Weights
 are written once each (a tied LM head shares the embedding's initializer), straight from the torch
-tensors to the external data file.
+tensors to the external data file, or, streamed (:mod:`qspec.export.checkpoint`), read one by one from
+the checkpoint as they are written: then only the traced layers ever have storage.
 """
 
 from __future__ import annotations
@@ -288,8 +289,12 @@ def _layer_weights(lm: nn.Module, piece: Piece, traced: int, target: int) -> lis
     return [theirs[local[id(t)]] if id(t) in local else t for t in piece.weights]
 
 
-def compose(lm: nn.Module, pieces: dict[str, Piece], options):
-    """The main graph: prologue, every layer with its own weights and KV buffers, epilogue; inlined."""
+def compose(lm: nn.Module, pieces: dict[str, Piece], options, streamed=None):
+    """The main graph: prologue, every layer with its own weights and KV buffers, epilogue; inlined.
+
+    ``streamed``: a :class:`~qspec.export.checkpoint.StreamedWeights`; the weights it holds are read from
+    the checkpoint as they are written (the model's own tensors may then be on the meta device).
+    """
     import onnx_ir as ir
     from onnx_ir.passes.common import InlinePass, RemoveUnusedFunctionsPass, RemoveUnusedOpsetsPass
 
@@ -302,8 +307,12 @@ def compose(lm: nn.Module, pieces: dict[str, Piece], options):
         key = id(tensor)
         if key not in initializers:
             name = names.get(key, fallback)
-            # No copy here: a transposed view is made contiguous one tensor at a time, as it is written.
-            data = ir.tensor_adapters.TorchTensor(tensor.detach(), name=name)
+            if streamed is not None and name in streamed:
+                data = streamed.lazy(name, tensor)
+            else:
+                assert not tensor.is_meta, f"weight {name} has no data: it is neither in the model nor the checkpoint"
+                # No copy here: a transposed view is made contiguous one tensor at a time, as it is written.
+                data = ir.tensor_adapters.TorchTensor(tensor.detach(), name=name)
             initializers[key] = ir.Value(name=name, shape=data.shape, type=ir.TensorType(data.dtype), const_value=data)
         return initializers[key]
 
