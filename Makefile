@@ -12,6 +12,7 @@ PACKAGE := packages/smollm2-k0_1_2_4-eagle
 # The EAGLE head that ships with the project (self-distilled from the int4 package, `make head` remakes it).
 HEAD := heads/smollm2-135m-instruct-eagle
 HEAD_PACKAGE := packages/smollm2-int4-hidden
+HEAD_ARGS ?= --prompts 736 --instructions 528 --answer-with source --dialogues 0 --draft-vocab 4096 --epochs 3
 SERVE_PACKAGE := packages/smollm2-k0_4-fbs4
 DEMO_PROMPT := examples/code_edit.txt
 export HF_HUB_OFFLINE := 1
@@ -49,8 +50,9 @@ demo: install model
 	@echo "== no speculation =="
 	$(BIN)/qspec generate $(PACKAGE) --chat --prompt "$$(cat $(DEMO_PROMPT))" --max-new-tokens 256 --method none
 
-# Remake the shipped head: the int4 package with hidden states answers chit-chat prompts, then an EAGLE head
-# trains on its hidden states (about an hour on 2 cores; answers and features are kept in $(HEAD)-work).
+# Remake the shipped head: chit-chat prompts and instructions are answered (the package; the source model,
+# batched), then an EAGLE head trains on the package's hidden states of them (about two hours on 2 cores;
+# answers and features are kept in $(HEAD)-work).
 head: install model
 	$(BIN)/qspec compile $(GGUF) --num-speculative-tokens 0,1,2,4 --ctx-len 1024 --weight-format int4 \
 	  --hidden-states --output $(HEAD_PACKAGE)

@@ -37,7 +37,7 @@ from qspec.errors import ConfigError
 from qspec.runtime.proposal import Proposal, Proposer, RequestId, Tokens, as_tokens
 from qspec.runtime.sampling import SamplingParams
 
-DEFAULT_THRESHOLD = 0.2  # a chain of drafts less likely than this (product of probabilities) ends the row's drafts
+DEFAULT_THRESHOLD = 0.5  # a chain of drafts less likely than this (product of probabilities) ends the row's drafts
 
 
 def softmax_top(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
