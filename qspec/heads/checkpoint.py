@@ -60,12 +60,20 @@ def frozen_linear(rows: torch.Tensor) -> nn.Linear:
 # Checkpoint files ---------------------------------------------------------------------------------------
 
 
-def load_exact(head: nn.Module, state: dict[str, torch.Tensor], folder: Path, *, skip: tuple[str, ...]) -> None:
+def load_exact(
+    head: nn.Module,
+    state: dict[str, torch.Tensor],
+    folder: Path,
+    *,
+    skip: tuple[str, ...],
+    problem: str = "does not match its config",
+) -> None:
+    """Load ``state`` (as fp32) into ``head``; any key missing (but ``skip``) or unexpected is an error."""
     result = head.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
     missing = sorted(set(result.missing_keys) - set(skip))
     if missing or result.unexpected_keys:
         raise ModelLoadError(
-            f"{folder} does not match its config: missing {missing or 'nothing'}, "
+            f"{folder} {problem}: missing {missing or 'nothing'}, "
             f"unexpected {sorted(result.unexpected_keys) or 'nothing'}"
         )
 

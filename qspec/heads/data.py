@@ -173,26 +173,34 @@ def generate_answers(
     done = read_records(output)
     engine = Engine(package, method="pld", num_threads=num_threads, spinning=num_threads is None)
     params = SamplingParams(max_new_tokens=max_new_tokens)
-    room = engine.model.ctx_len - max_new_tokens  # a prompt longer than this could not be answered in full
-    fits = [p for p in prompts if len(engine.tokenizer.encode_prompt(p, chat=True)) <= room]
-    if len(fits) < len(prompts):
-        say(f"{len(prompts) - len(fits)} of {len(prompts)} prompts are longer than {room} tokens: skipped")
-    prompts = fits
+    lengths = [len(engine.tokenizer.encode_prompt(p, chat=True)) for p in prompts]
+    prompts = _fitting(prompts, lengths, engine.model.ctx_len - max_new_tokens, say)
     with output.open("a") as sink:
         for at in range(len(done), len(prompts), batch):
-            chunk = prompts[at : at + batch]
-            outs = engine.generate(chunk, params, chat=True)
-            for out in outs:
-                record = {
-                    "prompt_ids": list(map(int, out.prompt_token_ids)),
-                    "answer_ids": list(map(int, out.token_ids)),
-                }
-                sink.write(json.dumps(record) + "\n")
-                done.append(record)
-            sink.flush()
-            tokens = sum(len(r["answer_ids"]) for r in done)
-            say(f"answers {len(done)}/{len(prompts)}, {tokens} tokens")
+            outs = engine.generate(prompts[at : at + batch], params, chat=True)
+            records = [
+                {"prompt_ids": list(map(int, out.prompt_token_ids)), "answer_ids": list(map(int, out.token_ids))}
+                for out in outs
+            ]
+            _append(sink, done, records, len(prompts), say)
     return done
+
+
+def _fitting(prompts: list, lengths: list[int], room: int, say: Progress) -> list:
+    """The prompts of at most ``room`` tokens (a longer one could not be answered in full); says how many not."""
+    fits = [p for p, n in zip(prompts, lengths) if n <= room]
+    if len(fits) < len(prompts):
+        say(f"{len(prompts) - len(fits)} of {len(prompts)} prompts are longer than {room} tokens: skipped")
+    return fits
+
+
+def _append(sink, done: list[dict], records: list[dict], total: int, say: Progress) -> None:
+    """Write ``records`` to the answers file (flushed: a stopped run keeps them) and to ``done``."""
+    for record in records:
+        sink.write(json.dumps(record) + "\n")
+        done.append(record)
+    sink.flush()
+    say(f"answers {len(done)}/{total}, {sum(len(r['answer_ids']) for r in done)} tokens")
 
 
 def generate_answers_torch(
@@ -218,9 +226,9 @@ def generate_answers_torch(
     done = read_records(output)
     manifest = check_package(package)
     tokenizer = Tokenizer(package / "tokenizer")
-    eos = sorted(set(manifest.model.eos_token_ids) | {tokenizer.eos_token_id} - {None})
+    eos = sorted(tokenizer.stop_ids(manifest.model.eos_token_ids))
     encoded = [tokenizer.encode_chat(p) for p in prompts]
-    encoded = [ids for ids in encoded if len(ids) + max_new_tokens <= manifest.specializations[0].ctx_len]
+    encoded = _fitting(encoded, list(map(len, encoded)), manifest.specializations[0].ctx_len - max_new_tokens, say)
     with output.open("a") as sink, torch.inference_mode():
         for at in range(len(done), len(encoded), batch):
             chunk = encoded[at : at + batch]
@@ -235,13 +243,14 @@ def generate_answers_torch(
                 eos_token_id=eos,
                 pad_token_id=eos[0],
             )
-            for prompt_ids, row in zip(chunk, out[:, width:].tolist()):
-                answer = next((row[: i + 1] for i, t in enumerate(row) if t in eos), row)
-                record = {"prompt_ids": prompt_ids, "answer_ids": answer}
-                sink.write(json.dumps(record) + "\n")
-                done.append(record)
-            sink.flush()
-            say(f"answers {len(done)}/{len(encoded)}, {sum(len(r['answer_ids']) for r in done)} tokens")
+            records = [
+                {
+                    "prompt_ids": prompt_ids,
+                    "answer_ids": next((row[: i + 1] for i, t in enumerate(row) if t in eos), row),
+                }
+                for prompt_ids, row in zip(chunk, out[:, width:].tolist())
+            ]
+            _append(sink, done, records, len(encoded), say)
     return done
 
 

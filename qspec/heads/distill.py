@@ -90,10 +90,8 @@ def distill_head(
     if not manifest.model.hidden_states:
         raise ConfigError(f"{package} has no hidden_states output; compile it with --hidden-states")
     work_dir.mkdir(parents=True, exist_ok=True)
-    model = None
-    if data.answer_with == "source" or not (data.prompts or data.instructions):
-        say(f"loading the target model {target or manifest.model.source}")
-        model = load_target(target or manifest.model.source)
+    say(f"loading the target model {target or manifest.model.source}")  # it writes answers (source) and trains
+    model = load_target(target or manifest.model.source)
     features = []
     if data.prompts:
         prompts = (
@@ -112,9 +110,6 @@ def distill_head(
         features.append(_features(package, records, work_dir / "features-dialogues.npz", say))
     if not features:
         raise ConfigError("no training data: give --prompts, --instructions, --code or --dialogues above 0")
-    if model is None:
-        say(f"loading the target model {target or manifest.model.source}")
-        model = load_target(target or manifest.model.source)
     from qspec.heads.train import train_head
 
     return train_head(features, model, output, train, state_dir=work_dir, progress=say)

@@ -38,6 +38,7 @@ from qspec.heads.checkpoint import (
     draft_rows,
     frozen_linear,
     ids_from_d2t,
+    load_exact,
     read_json,
     read_weights,
     t2d_from_ids,
@@ -233,13 +234,7 @@ def load_eagle(head_dir: str | Path, target_model=None) -> EagleHead:
         draft_ids=ids_from_d2t(d2t) if d2t is not None else None,
         fc_bias="fc.bias" in weights,
     )
-    result = head.load_state_dict({k: v.float() for k, v in weights.items()}, strict=False)
-    missing = sorted(set(result.missing_keys) - set(TABLES))
-    if missing or result.unexpected_keys:
-        raise ModelLoadError(
-            f"{folder} is not an EAGLE-1 head: missing {missing or 'nothing'}, "
-            f"unexpected {sorted(result.unexpected_keys) or 'nothing'}"
-        )
+    load_exact(head, weights, folder, skip=TABLES, problem="is not an EAGLE-1 head")
     head.own_tables = frozenset(own)
     return head.eval()
 

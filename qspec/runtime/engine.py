@@ -134,10 +134,7 @@ class Engine:
         if force_accept is not None and force_accept < 0:
             raise ConfigError(f"force_accept {force_accept} must be >= 0")
         self.force_accept = force_accept
-        eos = set(self.model.manifest.model.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = frozenset(eos)
+        self.eos_token_ids = self.tokenizer.stop_ids(self.model.manifest.model.eos_token_ids)
         check_mode(dispatch)
         self.last_metrics: EngineMetrics | None = None
         self.calls: dict[Any, int] = {"prefill": 0, **{k: 0 for k in self.ks}}  # since load

@@ -236,9 +236,10 @@ class EagleProposer(HiddenStateProposer):
         if row.drafts and confidence < self.threshold:
             row.going = False
             return
+        if not row.drafts:
+            row.first = confidence
         row.drafts.append(int(self.to_target(top)[0]))
         row.feature, row.confidence = feature, confidence
-        row.first = row.first or confidence
         row.going = len(row.drafts) < row.cap and confidence >= self.threshold
 
     def _chain(self, rows: list[_Row]) -> None:

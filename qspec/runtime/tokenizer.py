@@ -43,6 +43,11 @@ class Tokenizer:
     def eos_token_id(self) -> int | None:
         return self._tok.token_to_id(self.eos_token) if self.eos_token else None
 
+    def stop_ids(self, eos_token_ids) -> frozenset[int]:
+        """``eos_token_ids`` (the package's) and this tokenizer's own EOS: every token that ends a sequence."""
+        own = self.eos_token_id
+        return frozenset(eos_token_ids) | ({own} if own is not None else frozenset())
+
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
