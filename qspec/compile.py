@@ -24,6 +24,7 @@ from qspec import __version__, contract
 from qspec.backends.qaic import QaicOptions, QaicResult, prepare_qaic
 from qspec.common import FrozenModel
 from qspec.errors import CompileError, QSpecError
+from qspec.onnx_files import link_or_copy
 from qspec.package import (
     MANIFEST,
     ONNX_FILE,
@@ -37,7 +38,6 @@ from qspec.package import (
     SessionCheck,
     WeightFormat,
     attention_slack,
-    copy_file,
     dump_manifest,
     read_manifest,
     runtime_graph_file,
@@ -255,10 +255,10 @@ def _runtime_graph(
 def _write_files(folder: Path, exported: _Exported, graph: _Graph | None, spec_format: SpecFormat) -> None:
     """The vendor graph, the runtime graph, the tokenizer and the specializations file."""
     for path in sorted(exported.folder.glob(ONNX_FILE + "*")):
-        copy_file(path, folder / path.name)
+        link_or_copy(path, folder / path.name)
     if graph is not None:
         for path in sorted(graph.folder.glob(ORT_ONNX_FILE + "*")):
-            copy_file(path, folder / path.name)
+            link_or_copy(path, folder / path.name)
     shutil.copytree(exported.folder / TOKENIZER_DIR, folder / TOKENIZER_DIR)
     write_specializations(exported.specs, folder / SPECIALIZATIONS_FILE, fmt=spec_format)
 

@@ -281,11 +281,6 @@ def write_package_atomic(target: Path, build: Callable[[Path], None]) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def copy_file(source: Path, target: Path) -> None:
-    """Copy ``source`` to ``target``; not a hard link: onnx and onnx_ir refuse external data with several links."""
-    shutil.copyfile(source, target)
-
-
 def dump_manifest(manifest: Manifest, folder: Path) -> None:
     (folder / MANIFEST).write_text(manifest.model_dump_json(indent=2) + "\n")
 

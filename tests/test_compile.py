@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import onnxruntime
 import pytest
 
 from qspec.compile import CompileOptions, check_ort, compile_package
 from qspec.errors import CompileError
-from qspec.package import MANIFEST, read_manifest, runtime_graph_file
+from qspec.package import MANIFEST, ONNX_FILE, read_manifest, runtime_graph_file
 from qspec.specializations import make_config
 
 
@@ -28,6 +29,24 @@ def test_weight_format_is_recorded_once(package):
     raw = json.loads((package / MANIFEST).read_text())
     assert "weight_format" not in raw and raw["runtime_graph"]["weight_format"] == "fp32"
     assert read_manifest(package).weight_format == "fp32"
+
+
+def test_a_moved_package_runs_on_its_own(package, tmp_path):
+    """A package's weights are links to the export's, and a copy of the folder elsewhere is a whole package:
+    it runs, with the original removed, and generates what the original generates."""
+    from qspec.runtime import Engine, SamplingParams
+
+    params = SamplingParams(max_new_tokens=6)
+    assert (package / ONNX_FILE).with_suffix(".onnx.data").stat().st_nlink >= 2
+    original = Engine(package).generate([[5, 6, 7]], params)[0].token_ids
+    moved = tmp_path / "moved"
+    shutil.copytree(package, moved)
+    stash = tmp_path / "stash"
+    package.rename(stash)
+    try:
+        assert Engine(moved).generate([[5, 6, 7]], params)[0].token_ids == original
+    finally:
+        stash.rename(package)
 
 
 def test_manifest_of_an_older_qspec_still_loads(package, tmp_path):

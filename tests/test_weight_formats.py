@@ -139,6 +139,24 @@ def test_runtime_graph_attends_with_one_group_query_attention_per_layer(packages
     assert "NonZero" not in plain and "ScatterND" not in plain and "GatherND" not in plain
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantized_runtime_graph_keeps_the_embedding_in_the_vendor_data(packages, fmt):
+    """A quantized graph's own data holds its quantized weights and new tables only: the embedding and the
+    norms are read from model.onnx.data, which every package of the export shares (one inode)."""
+    package = packages[fmt]["0,4"]
+    graph = read_manifest(package).runtime_graph
+    assert (graph.data_file, graph.vendor_data_file) == (ORT_ONNX_FILE + ".data", ONNX_FILE + ".data")
+    proto = onnx.load(str(package / ORT_ONNX_FILE), load_external_data=False)
+    where = {
+        tensor.name: {entry.key: entry.value for entry in tensor.external_data}.get("location")
+        for tensor in proto.graph.initializer
+    }
+    assert where["model.embed_tokens.weight"] == ONNX_FILE + ".data"
+    assert all(where[name] == graph.data_file for name in where if name.endswith(f"_Q{fmt[-1]}"))
+    vendor = [packages[name]["0,4"] / (ONNX_FILE + ".data") for name in ("fp32", *FORMATS)]
+    assert len({path.stat().st_ino for path in vendor}) == 1 and vendor[0].stat().st_nlink >= len(vendor)
+
+
 def test_fp32_runtime_graph_reads_the_vendor_graphs_weights(packages):
     """fp32 stores its weights once: its own (the packed q/k/v weights) are in model.ort.onnx.data, each at
     a page boundary, every other weight is read from model.onnx.data, and the separate q/k/v weights are

@@ -24,10 +24,9 @@ the default).
    table: it reads a few rows per call, so it costs memory, not bandwidth.
 3. **quantize** (int8/int4; ``onnxruntime.quantization.matmul_nbits_quantizer``): every MatMul
    with a constant 2-D weight becomes ``MatMulNBits`` (block-wise, symmetric: no zero points, blocks
-   along K).
-4. **optimize offline** (int8/int4; ONNX Runtime ``ORT_ENABLE_EXTENDED``,
-   ``optimized_model_filepath``): the session-level fusions are done once at compile time, and the
-   quantized weights go to the graph's own ``model.ort.onnx.data``.
+   along K), one weight at a time, into the graph's own ``model.ort.onnx.data``. The weights it keeps
+   (the embedding, the norms) stay in the vendor graph's ``model.onnx.data``, as in fp32, and ONNX
+   Runtime's session-level fusions run at load time, as in fp32 (docs/scale.md).
 
 ``cached_runtime_graph`` keeps the result in the export cache, keyed by the export and the format.
 The result keeps the contract's inputs, outputs and symbolic dimensions; the parity tests run on it.
@@ -38,14 +37,13 @@ from __future__ import annotations
 import collections
 import contextlib
 import hashlib
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from qspec import contract
 from qspec.common import build_directory
-from qspec.errors import CompileError
+from qspec.onnx_files import load_model, save_model
 from qspec.package import ORT_ONNX_FILE, PACKED_TOKENS, TRIMMED_ROWS, AttentionInfo, RuntimeGraph, WeightFormat
 
 Progress = Callable[[str], None]
@@ -61,7 +59,7 @@ ACCURACY_LEVEL = INT8_ACTIVATIONS
 # kernels skip the zero-point correction, faster than asymmetric blocks at the same agreement with fp32.
 SYMMETRIC = True
 # Bump when the recipe below changes: cached runtime graphs are keyed by it.
-RECIPE_VERSION = 25
+RECIPE_VERSION = 26
 GRAPH_META = "graph.json"
 # Initializers below this size stay inside the .onnx file.
 EXTERNAL_MIN_BYTES = 1024
@@ -130,6 +128,7 @@ def quantize_streamed(
     bits: int,
     data: Path,
     *,
+    kept: Path | None = None,
     block_size: int = BLOCK_SIZE,
     accuracy_level: int = ACCURACY_LEVEL,
     symmetric: bool = SYMMETRIC,
@@ -141,7 +140,7 @@ def quantize_streamed(
     ``MatMulNBits`` node as that quantizer makes it takes the MatMul's place. Every weight of the result
     (quantized or kept) is appended to ``data`` at once, each at a page boundary, and the model points
     at it: memory holds one weight and its quantized form, never the graph's weights (a fp32 8B graph
-    is 32 GB).
+    is 32 GB). Kept weights already in the file ``kept`` (the source graph's data) stay there.
     """
     import onnx_ir as ir
 
@@ -179,7 +178,8 @@ def quantize_streamed(
                 say(f"quantizing weights: {count}/{len(targets)} MatMuls, ETA {(len(targets) - count) / rate:.0f} s")
         for value in model.graph.initializers.values():  # what stays: embedding, norms, tables
             tensor = value.const_value
-            if tensor is not None and tensor.nbytes >= EXTERNAL_MIN_BYTES and not _in_file(tensor, data):
+            stored = _in_file(tensor, data) or (kept is not None and _in_file(tensor, kept))
+            if tensor is not None and tensor.nbytes >= EXTERNAL_MIN_BYTES and not stored:
                 value.const_value = _append(sink, tensor, data)
     model.opset_imports.setdefault(MS_DOMAIN, 1)
     return len(targets)
@@ -262,26 +262,15 @@ def _release(tensor) -> None:
 def _in_file(tensor, data: Path) -> bool:
     import onnx_ir as ir
 
-    return isinstance(tensor, ir.ExternalTensor) and Path(tensor.path) == data
+    return isinstance(tensor, ir.ExternalTensor) and Path(tensor.path).resolve() == data.resolve()
 
 
-def ort_offline(source: Path, target: Path) -> None:
-    """Let ONNX Runtime optimize ``source`` (extended level, CPU) and save it as ``target`` + ``.data``."""
-    import onnxruntime as ort
+def _data_files(model) -> set[str]:
+    """Names of the files the model's external tensors are in."""
+    import onnx_ir as ir
 
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
-    options.optimized_model_filepath = str(target)
-    options.log_severity_level = 3
-    options.add_session_config_entry("session.optimized_model_external_initializers_file_name", target.name + ".data")
-    options.add_session_config_entry(
-        "session.optimized_model_external_initializers_min_size_in_bytes", str(EXTERNAL_MIN_BYTES)
-    )
-    try:
-        ort.InferenceSession(str(source), options, providers=["CPUExecutionProvider"])
-    except Exception as exc:  # ORT raises plain RuntimeErrors
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CompileError(f"ONNX Runtime could not optimize {source.name}: {first}") from exc
+    tensors = (value.const_value for value in model.graph.initializers.values())
+    return {Path(tensor.path).name for tensor in tensors if isinstance(tensor, ir.ExternalTensor)}
 
 
 def streamed_weight_bytes(path: Path) -> int:
@@ -321,13 +310,11 @@ def optimize_graph(
     ``GroupQueryAttention`` (:mod:`qspec.backends.ort_attention`) with a RoPE table of
     ``rope_positions`` rows; without it, attention stays as exported.
     """
-    import onnx_ir as ir
-
     from qspec.backends.ort_attention import fuse_attention
 
     say = progress or (lambda message: None)
     begin = time.perf_counter()
-    model = ir.load(str(source))  # weights stay in the source's external data until needed
+    model = load_model(source)  # weights stay in the source's external data until needed
     bits = BITS.get(weight_format)
     say("fusing RMSNorm and skip-RMSNorm (onnxscript)")
     contract_shapes = {value.name: value.shape for value in (*model.graph.inputs, *model.graph.outputs)}
@@ -346,30 +333,24 @@ def optimize_graph(
         )
         fusions[PACKED_TOKENS if pack else TRIMMED_ROWS] = 1
     quantized = 0
-    own_data, vendor_data = target.name + ".data", None
+    own_data = target.with_name(target.name + ".data")
     if bits is None:
-        # the packed q/k/v in the graph's own .data file, the rest pointing into the source's .data file
-        vendor_data = source.name + ".data"
-        if not externalize_own_weights(model, target.with_name(own_data)):
-            own_data, vendor_data = vendor_data, None  # no weights of its own (attention as exported)
-        ir.save(model, str(target))
+        externalize_own_weights(model, own_data)  # the packed q/k/v and tables; the rest stays in the source's
     else:
-        with tempfile.TemporaryDirectory(prefix=".optimize-", dir=target.parent) as tmp:
-            staged = Path(tmp) / "model.onnx"
-            fusions["materialized_weights"] = materialize_transposed_weights(model)
-            say(f"quantizing MatMul weights to {weight_format} (MatMulNBits, block {block_size}), one at a time")
-            quantized = quantize_streamed(
-                model,
-                bits,
-                staged.with_name(staged.name + ".data"),
-                block_size=block_size,
-                accuracy_level=accuracy_level,
-                symmetric=symmetric,
-                progress=say,
-            )
-            ir.save(model, str(staged))  # the weights are in its .data file already
-            say("optimizing the graph with ONNX Runtime (extended level)")
-            ort_offline(staged, target)
+        fusions["materialized_weights"] = materialize_transposed_weights(model)
+        say(f"quantizing MatMul weights to {weight_format} (MatMulNBits, block {block_size}), one at a time")
+        quantized = quantize_streamed(
+            model,
+            bits,
+            own_data,
+            kept=source.with_name(source.name + ".data"),
+            block_size=block_size,
+            accuracy_level=accuracy_level,
+            symmetric=symmetric,
+            progress=say,
+        )
+    data_files = _data_files(model)
+    save_model(model, target)
     return RuntimeGraph(
         file=target.name,
         weight_format=weight_format,
@@ -378,8 +359,8 @@ def optimize_graph(
         block_size=block_size if bits else None,
         accuracy_level=accuracy_level if bits else None,
         symmetric=symmetric if bits else None,
-        data_file=own_data,
-        vendor_data_file=vendor_data,
+        data_file=own_data.name if own_data.name in data_files else source.name + ".data",
+        vendor_data_file=source.name + ".data" if {own_data.name, source.name + ".data"} <= data_files else None,
         weight_bytes=streamed_weight_bytes(target),
         rope_positions=rope_positions if fusions.get("group_query_attention", 0) else None,
         seconds=round(time.perf_counter() - begin, 2),

@@ -110,10 +110,11 @@ def write_head_specializations(
 def target_tables(onnx_path: Path):
     """The target's embedding and LM head from its graph, behind the accessors the head loaders call
     (``get_input_embeddings().weight``, ``get_output_embeddings().weight``, ``[vocab, hidden]``)."""
-    import onnx_ir as ir
     import torch
 
-    initializers = ir.load(str(onnx_path)).graph.initializers
+    from qspec.onnx_files import load_model
+
+    initializers = load_model(onnx_path).graph.initializers
     if EMBED_TOKENS not in initializers:
         raise ConfigError(f"{onnx_path} has no {EMBED_TOKENS}; compile the target with this qspec first")
     embed = torch.from_numpy(initializers[EMBED_TOKENS].const_value.numpy().copy())
