@@ -37,6 +37,15 @@ CclDecodeOption = Annotated[
     Optional[str], typer.Option(help="Compute-context-length buckets of the decode shapes, e.g. 256,512,1024.")
 ]
 DraftPackageOption = Annotated[Optional[Path], typer.Option(help="The draft model's package (method draft).")]
+DraftThresholdOption = Annotated[
+    Optional[float],
+    typer.Option(
+        min=0.0,
+        max=1.0,
+        help="Heads and draft models: a draft chain stops at a draft whose probability is below this "
+        "(default: eagle/medusa 0.5, draft 0 = off).",
+    ),
+]
 DispatchOption = Annotated[
     str,
     typer.Option(

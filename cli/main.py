@@ -18,6 +18,7 @@ from qspec_cli.common import (
     CtxLenOption,
     DispatchOption,
     DraftPackageOption,
+    DraftThresholdOption,
     FullBatchSizeOption,
     KsOption,
     PrefillSeqLenOption,
@@ -315,6 +316,7 @@ def generate(
     prompt_lookup_min: Annotated[int, typer.Option(help="pld: smallest n-gram to match.")] = 1,
     prompt_lookup_max: Annotated[int, typer.Option(help="pld: largest n-gram to match.")] = 3,
     draft_package: DraftPackageOption = None,
+    draft_confidence_threshold: DraftThresholdOption = None,
     max_batch_size: Annotated[Optional[int], typer.Option(help="Sequences in flight (default: all KV slots).")] = None,
     dispatch: DispatchOption = "auto",
     backend: Annotated[
@@ -345,7 +347,10 @@ def generate(
         )
         # Each method takes the knobs it knows (qspec.runtime.proposers.make_proposer).
         knobs = dict(
-            prompt_lookup_min=prompt_lookup_min, prompt_lookup_max=prompt_lookup_max, draft_package=draft_package
+            prompt_lookup_min=prompt_lookup_min,
+            prompt_lookup_max=prompt_lookup_max,
+            draft_package=draft_package,
+            draft_confidence_threshold=draft_confidence_threshold,
         )
         with status("loading the package"):
             engine = Engine(

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
-from qspec_cli.common import DispatchOption, DraftPackageOption, cli_errors, console, escape
+from qspec_cli.common import DispatchOption, DraftPackageOption, DraftThresholdOption, cli_errors, console, escape
 
 MethodOption = Annotated[
     str,
@@ -31,19 +31,27 @@ def _require_serve_extra() -> None:
 
 
 def method_options(
-    method: str, *, prompt_lookup_min: int, prompt_lookup_max: int, draft_package: Optional[Path]
+    method: str,
+    *,
+    prompt_lookup_min: int,
+    prompt_lookup_max: int,
+    draft_package: Optional[Path],
+    draft_confidence_threshold: Optional[float] = None,
 ) -> dict[str, Any]:
     from qspec.errors import ConfigError
 
+    options: dict[str, Any] = {}
+    if draft_confidence_threshold is not None and method in ("eagle", "medusa", "eagle+pld", "medusa+pld", "draft"):
+        options["draft_confidence_threshold"] = draft_confidence_threshold
     if method in ("pld", "ngram", "eagle+pld", "medusa+pld"):
-        return {"prompt_lookup_min": prompt_lookup_min, "prompt_lookup_max": prompt_lookup_max}
+        options |= {"prompt_lookup_min": prompt_lookup_min, "prompt_lookup_max": prompt_lookup_max}
     if method == "draft":
         if draft_package is None:
             raise ConfigError(
                 "--method draft needs --draft-package DIR (compile one with `qspec compile --num-layers N`)"
             )
-        return {"draft_package": draft_package}
-    return {}
+        options["draft_package"] = draft_package
+    return options
 
 
 def serve(
@@ -54,6 +62,7 @@ def serve(
     prompt_lookup_min: Annotated[int, typer.Option(help="pld: smallest n-gram to match.")] = 1,
     prompt_lookup_max: Annotated[int, typer.Option(help="pld: largest n-gram to match.")] = 3,
     draft_package: DraftPackageOption = None,
+    draft_confidence_threshold: DraftThresholdOption = None,
     dispatch: DispatchOption = "auto",
     max_batch_size: Annotated[
         Optional[int], typer.Option(help="Requests in the running batch (default: all KV slots).")
@@ -94,6 +103,7 @@ def serve(
                 prompt_lookup_min=prompt_lookup_min,
                 prompt_lookup_max=prompt_lookup_max,
                 draft_package=draft_package,
+                draft_confidence_threshold=draft_confidence_threshold,
             ),
             dispatch=dispatch,
             max_batch_size=max_batch_size,

@@ -160,3 +160,32 @@ def test_head_method_without_a_head_is_a_clear_error(model, tmp_path):
     package = compile_tiny(model, tmp_path / "plain", ks="0,4")
     with pytest.raises(ConfigError, match="--draft-head"):
         Engine(package, method="eagle")
+
+
+def test_cli_draft_confidence_threshold(head_package, tmp_path):
+    """`qspec generate --draft-confidence-threshold`: a higher threshold proposes fewer drafts, the output
+    stays `none`'s; out of [0, 1] it is refused; serve passes it to head methods only."""
+    from qspec_cli.main import app
+    from qspec_cli.serve import method_options
+
+    package = head_package("eagle")
+    prompts = tmp_path / "prompts.jsonl"
+    texts = ["the cat sat on the mat and the cat", "one two three four one two"]
+    prompts.write_text("".join(json.dumps({"prompt": text}) + "\n" for text in texts))
+
+    def generate(*extra: str) -> dict:
+        args = ["generate", str(package), "--prompts-file", str(prompts), "--max-new-tokens", "16", "--json", *extra]
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 0, result.output
+        return json.loads(result.output[result.output.index("{") :])
+
+    plain = generate("--method", "none")
+    loose, strict = (generate("--method", "eagle", "--draft-confidence-threshold", t) for t in ("0", "0.9"))
+    tokens = [[r["token_ids"] for r in doc["requests"]] for doc in (plain, loose, strict)]
+    assert tokens[1] == tokens[0] and tokens[2] == tokens[0]
+    assert strict["metrics"]["proposed"] < loose["metrics"]["proposed"]
+    refused = CliRunner().invoke(app, ["generate", str(package), "-p", "x", "--draft-confidence-threshold", "1.5"])
+    assert refused.exit_code == 2 and "--draft-confidence-threshold" in refused.output
+    knobs = dict(prompt_lookup_min=1, prompt_lookup_max=3, draft_package=None, draft_confidence_threshold=0.3)
+    assert method_options("eagle+pld", **knobs)["draft_confidence_threshold"] == 0.3
+    assert "draft_confidence_threshold" not in method_options("pld", **knobs)
