@@ -81,11 +81,11 @@ scale: install
 	  $(SCALE_ARGS)
 
 bench: install model peers
-	$(BIN)/qspec bench $(GGUF) --output bench-out
+	$(BIN)/qspec bench $(GGUF) --draft-head $(HEAD) --output bench-out
 	$(BIN)/python bench/targets.py bench-out/report.json --markdown bench-out/report.md
 
 bench-full: install model peers
-	$(BIN)/qspec bench $(GGUF) --output bench-out-full --full
+	$(BIN)/qspec bench $(GGUF) --draft-head $(HEAD) --output bench-out-full --full
 	$(BIN)/python bench/targets.py bench-out-full/report.json --markdown bench-out-full/report.md
 
 # An OpenAI-compatible server on a package with 4 KV slots (continuous batching across requests);

@@ -36,6 +36,13 @@ TARGET_VS_PEER_LOOKUP = 1.0  # qspec variable K pld / llama.cpp prompt lookup, t
 TARGET_FLOOR = {"K=0": 1.15, "K=4": 1.3}  # a batch-1 call / the weight-streaming floor
 TARGET_CCL_RATIO = 0.8  # K=4 call in the 256 bucket / the same call in the ctx_len bucket, positions < 256
 TARGET_BATCH4_SPEEDUP = 1.15  # variable K / none requests/s at batch 4, the CLI's default dispatch
+# Drafts from the target's hidden states (a head's methods: eagle, medusa, and with +pld combined with lookup).
+TARGET_HEAD_SPEEDUP = {"fp32": 1.5, "int4": 1.35}  # head variable K / none requests/s, batch 1
+TARGET_HEAD_BATCH4_SPEEDUP = 1.3  # head variable K / none requests/s at batch 4, the CLI's default dispatch
+# qspec's fastest configuration at batch 1 (any method and format) / ONNX Runtime GenAI's fastest, tokens/s:
+# the decode step's goal before head drafts, and with them.
+TARGET_FASTEST_VS_PEER = {"decode step": 1.1, "with head drafts": 1.3}
+TARGET_VS_PEER_GREEDY_INT4 = 0.95  # qspec int4 none / ONNX Runtime GenAI int4 greedy (the decode step's goal)
 
 
 class Target(BaseModel):
@@ -113,7 +120,7 @@ def evaluate_targets(
     for s in variable:
         same = [f for f in fixed if (f.method, f.batch, f.weight_format) == (s.method, s.batch, s.weight_format)]
         targets += [_variable_vs_fixed(s, f) for f in same]
-    for s in [s for s in variable if s.batch == 1]:
+    for s in [s for s in variable if s.batch == 1 and not _is_head(s)]:  # heads: _head_targets
         targets.append(
             _at_least(
                 f"{s.name} vs none, requests/s (batch 1)",
@@ -131,6 +138,7 @@ def evaluate_targets(
         value = _tokens_ratio(s, hf_pld)
         targets.append(_at_least(f"qspec {s.name} vs transformers prompt lookup, tokens/s", value, TARGET_VS_HF_LOOKUP))
     targets += _peer_targets(by_key, [s for s in variable if s.batch == 1 and s.method == "pld"])
+    targets += _head_targets(by_key, variable)
     for s in [s for s in variable if s.batch == 4 and s.method == "pld"]:
         targets.append(
             _at_least(
@@ -237,6 +245,49 @@ def _peer_targets(by_key: dict[str, ConfigSummary], variable_pld: list[ConfigSum
                     goal,
                 )
             )
+    return targets
+
+
+def _is_head(s: ConfigSummary) -> bool:
+    return s.method.split("+")[0] in ("eagle", "medusa")
+
+
+def _head_targets(by_key: dict[str, ConfigSummary], variable: list[ConfigSummary]) -> list[Target]:
+    """Head drafting against ``none`` (batch 1 per format, batch 4), the combined method against each alone,
+    and qspec's fastest configuration of any method against ONNX Runtime GenAI's fastest."""
+    heads = [s for s in variable if _is_head(s)]
+    targets = []
+    for s in heads:
+        goal = TARGET_HEAD_SPEEDUP.get(s.weight_format or "fp32") if s.batch == 1 else TARGET_HEAD_BATCH4_SPEEDUP
+        if goal is not None:
+            value = s.overall.ratio_to_none
+            name = f"{s.name} vs none, requests/s (batch {s.batch})"
+            targets.append(_at_least(name, value, goal, suffix=" none", digits=3, missing="no none run"))
+        if "+" in s.method:
+            alone = [
+                a
+                for a in variable
+                if a.method in (s.method.split("+")[0], "pld")
+                and (a.batch, a.weight_format, a.ks) == (s.batch, s.weight_format, s.ks)
+            ]
+            if alone:
+                best = max(alone, key=lambda a: a.overall.requests_per_s)
+                value = ratio(s.overall.requests_per_s, best.overall.requests_per_s)
+                targets.append(_at_least(f"{s.key} vs the better alone ({best.key})", value, 1.0, digits=3))
+    peers = [s for s in by_key.values() if s.backend.startswith(ORT_GENAI) and s.batch == 1]
+    ours = [s for s in by_key.values() if s.backend == QSPEC and s.batch == 1]
+    if peers and ours and heads:
+        peer = max(peers, key=lambda p: p.overall.output_tokens_per_s)
+        best = max(ours, key=lambda s: s.overall.output_tokens_per_s)
+        for what, goal in TARGET_FASTEST_VS_PEER.items():
+            name = f"qspec fastest ({best.key}, {best.weight_format}) vs ONNX Runtime GenAI fastest ({peer.key})"
+            name += f", {what}"
+            targets.append(_at_least(name, _tokens_ratio(best, peer), goal))
+    int4_greedy = by_key.get(f"{ORT_GENAI}-int4@1")
+    if int4_greedy is not None and heads:
+        value = _tokens_ratio(by_key.get(none_config("int4", 1).key), int4_greedy)
+        name = "qspec none vs ONNX Runtime GenAI greedy (int4 both), tokens/s, the decode step"
+        targets.append(_at_least(name, value, TARGET_VS_PEER_GREEDY_INT4))
     return targets
 
 

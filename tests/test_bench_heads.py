@@ -407,3 +407,19 @@ def test_a_heads_drafts_with_a_smaller_cap_are_a_prefix(head_run):
     configs = [RunConfig("eagle", (4,), 1), RunConfig("eagle", (0, 4), 1), RunConfig("eagle+pld", (0, 4), 1)]
     replays = head_replays_of(configs, {("fp32", 1): none.model}, collected, prompts, micro)
     assert replays["eagle[4]@1"] is replays["eagle[0,4]@1"] and "eagle+pld[0,4]@1" in replays
+
+
+def test_targets_read_the_head_rows(head_run):
+    """bench/targets.py holds head drafting to its own goal (fp32 1.5x none at batch 1, 1.3x at batch > 1) and
+    the combined method to the better of its parts, with the report's numbers."""
+    from tests.conftest import bench_targets
+
+    _, report = head_run
+    by_key = {s.key: s for s in report.configs}
+    targets = {t.target: t for t in bench_targets().evaluate_targets(report.configs, report.memory, report.micro)}
+    head = targets["eagle[0,4] vs none, requests/s (batch 1)"]
+    assert head.goal == ">= 1.5 x none" and head.status in ("PASS", "MISS")
+    assert head.measured == f"{by_key['eagle[0,4]@1'].overall.ratio_to_none:.3f} x"
+    assert targets["eagle[0,4] vs none, requests/s (batch 2)"].goal == ">= 1.3 x none"
+    combined = [t for name, t in targets.items() if name.startswith("eagle+pld[0,4]@1 vs the better alone")]
+    assert len(combined) == 1 and combined[0].status in ("PASS", "MISS")
