@@ -71,8 +71,9 @@ test-fast: install
 
 # A Llama-3.2-1B (SCALE=1b) or Llama-3.1-8B (SCALE=8b) shaped model with random bf16 weights: checkpoint written
 # shard by shard, cold int4 compile, parity of a 2-layer cut, none == pld, 2 slots; times, peak RSS, bytes written
-# into docs/bench/scale/$(SCALE).json (docs/scale.md). 8b needs ~100 GB of free disk in $(SCALE_WORK) (checkpoint
-# 16 GB, fp32 export 32 GB, package copies ~40 GB): SCALE_ARGS=--no-batching skips the second (2-slot) compile.
+# into docs/bench/scale/$(SCALE).json (docs/scale.md). 8b needs ~55 GB of free disk in $(SCALE_WORK) (checkpoint
+# 16 GB, fp32 export 32 GB, int4 weights 5 GB; each package goes before the next compile): SCALE_ARGS=--no-batching
+# skips the second (2-slot) compile.
 SCALE ?= 1b
 SCALE_WORK ?= /tmp/qspec-scale
 SCALE_ARGS ?=
