@@ -137,6 +137,9 @@ def test_runtime_graph_attends_with_one_group_query_attention_per_layer(packages
     assert read_manifest(packages[fmt]["cb"]).runtime_graph.fusions["live_tokens"] == 1 and "NonZero" in cb
     assert graph.fusions.get("trimmed_rows") == 1 and "live_tokens" not in graph.fusions
     assert "NonZero" not in plain and "ScatterND" not in plain and "GatherND" not in plain
+    for name in ("0,4", "cb"):  # the vendor graph's KV functions (CtxScatter/CtxGather) went with its attention
+        proto = onnx.load(str(packages[fmt][name] / ORT_ONNX_FILE), load_external_data=False)
+        assert not proto.functions and {o.domain for o in proto.opset_import} <= {"", "ai.onnx", "com.microsoft"}
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

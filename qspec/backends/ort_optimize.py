@@ -87,6 +87,14 @@ def fuse(model) -> dict[str, int]:
     return counts
 
 
+def _drop_unused_functions(model) -> None:
+    """Remove the functions no node calls, and their domains' opset imports."""
+    import onnx_ir.passes.common as common_passes
+
+    common_passes.RemoveUnusedFunctionsPass()(model)
+    common_passes.RemoveUnusedOpsetsPass()(model)
+
+
 def materialize_transposed_weights(model) -> int:
     """Fold ``Transpose(initializer)`` feeding a MatMul into its own initializer; returns how many."""
     from onnxscript import optimizer
@@ -332,6 +340,7 @@ def optimize_graph(
             model, attention, rope_positions, pack_qkv=True, pack_tokens=pack, trim_rows=not pack
         )
         fusions[PACKED_TOKENS if pack else TRIMMED_ROWS] = 1
+        _drop_unused_functions(model)  # the KV's CtxScatter/CtxGather: attention no longer calls them
     quantized = 0
     own_data = target.with_name(target.name + ".data")
     if bits is None:
