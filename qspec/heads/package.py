@@ -58,7 +58,8 @@ from qspec.specializations import Specialization, SpecializationConfig
 Progress = Callable[[str], None]
 EMBED_TOKENS = "model.embed_tokens.weight"  # the target graph's initializer names (Hugging Face's)
 LM_HEAD = "lm_head.weight"
-BITS = {"int8": 8, "int4": 4}
+# Bump when the head's graphs change (they are built from the head's files and this): see head_digest.
+HEAD_RECIPE_VERSION = 2
 
 
 # Specializations -------------------------------------------------------------------------------------
@@ -129,8 +130,9 @@ def target_tables(onnx_path: Path):
 
 
 def head_digest(head_dir: str | os.PathLike[str]) -> str:
-    """Hash of every file of a head folder (names and contents)."""
-    digest = hashlib.sha256()
+    """Hash of every file of a head folder (names and contents) and of the recipe of its graphs: a package
+    whose head was built by an older recipe is rebuilt, not reused."""
+    digest = hashlib.sha256(f"head graphs {HEAD_RECIPE_VERSION}".encode())
     folder = Path(head_dir)
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         digest.update(str(path.relative_to(folder)).encode())
@@ -204,9 +206,9 @@ def compile_head(
     ``config``: the target's specialization config (Ks, prefill, ctx_len, batch sizes).
     ``target_onnx``: the target graph holding its tables (default: the package's ``model.onnx``).
     """
-    from qspec.heads import export
+    from qspec.heads import export, ort_graph
     from qspec.heads.modules import load_head
-    from qspec.package import ONNX_FILE
+    from qspec.package import ONNX_FILE, attention_slack
 
     say = progress or (lambda message: None)
     begin = time.perf_counter()
@@ -232,12 +234,17 @@ def compile_head(
         model = export.trace_medusa(head)
         names = [contract.HIDDEN_STATES], [contract.LOGITS]
         specs = medusa_specializations(config)
-    quantized, runtime_graph = 0, HEAD_ONNX
-    if weight_format != "fp32":
-        say(f"quantizing the head's MatMul weights to {weight_format}")
-        quantized_model, quantized = export.quantize_copy(model, BITS[weight_format])
-        export.store_float16(quantized_model)
-        export.save(quantized_model, folder / HEAD_ORT_ONNX)
+    runtime_graph, fusions, quantized, kv_slack, rope_positions = HEAD_ONNX, {}, 0, 0, None
+    if method == "eagle" or weight_format != "fp32":
+        runtime = ort_graph.copy_model(model)
+        if method == "eagle":
+            say("fusing the head's attention (GroupQueryAttention) and RMSNorm")
+            kv_slack = attention_slack(max(spec.seq_len for spec in specs))
+            rope_positions = config.ctx_len + kv_slack
+            fusions = ort_graph.fuse_eagle(runtime, export.eagle_attention_info(head), rope_positions=rope_positions)
+        if weight_format != "fp32":
+            say(f"quantizing the head's MatMul weights to {weight_format}")
+        quantized = ort_graph.write_runtime_graph(runtime, folder / HEAD_ORT_ONNX, weight_format=weight_format)
         runtime_graph = HEAD_ORT_ONNX
     fp16 = export.store_float16(model)
     export.save(model, folder / HEAD_ONNX)
@@ -270,6 +277,9 @@ def compile_head(
         full_batch_size=config.full_batch_size,
         continuous_batching=config.continuous_batching,
         runtime_graph=runtime_graph,
+        fusions=fusions,
+        kv_slack=kv_slack,
+        rope_positions=rope_positions,
         weight_format=weight_format,
         quantized_matmuls=quantized,
         float16_initializers=fp16,
@@ -305,7 +315,7 @@ def example_feeds(manifest: HeadManifest, spec: Specialization) -> dict[str, np.
         feeds[contract.BATCH_INDEX] = np.arange(batch, dtype=np.int64)[:, None]
     rows = spec.full_batch_size or batch
     for name in contract.kv_names(1):
-        feeds[name] = np.zeros((rows, manifest.num_kv_heads, spec.ctx_len, manifest.head_dim), np.float32)
+        feeds[name] = np.zeros((rows, *manifest.kv_shape), np.float32)
     return feeds
 
 
