@@ -26,7 +26,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-
 # Where the traced EAGLE graph holds layer i's attention (EagleKVExplicit's `lm`, a KVExplicitLM).
 EAGLE_LAYER_PREFIX = "lm.layers.{i}.self_attn."
 BITS = {"int8": 8, "int4": 4}
@@ -68,4 +67,3 @@ def write_runtime_graph(model, path: Path, *, weight_format: str) -> int:
     export.store_float16(model)
     export.save(model, path)
     return quantized
-
