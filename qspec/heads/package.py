@@ -2,8 +2,9 @@
 
 :func:`compile_head` reads the head checkpoint (any layout of :mod:`qspec.heads.modules`), takes the
 target's embedding and LM head from the package's own ``model.onnx`` (a head checkpoint rarely carries
-them), exports the head graph, writes its specializations and, for ``qaic``, its own custom IO and
-compile command: a second program beside the target's, as QEfficient compiles a draft model.
+them), exports the head graph, writes its runtime graph (:mod:`qspec.heads.ort_graph`), its
+specializations and, for ``qaic``, its own custom IO and compile command: a second program beside the
+target's, as QEfficient compiles a draft model.
 
 Specializations (one shape per step and per covering K, like the target's):
 
@@ -185,6 +186,33 @@ def prepare_head_qaic(head_dir: Path, method: str, options: QaicOptions, *, run:
     )
 
 
+# The runtime graph -----------------------------------------------------------------------------------
+
+
+def _write_runtime_graph(model, head, method: str, folder: Path, config, specs, weight_format: str, say) -> dict:
+    """``head.ort.onnx`` (:mod:`qspec.heads.ort_graph`): EAGLE's fused, in every format; Medusa's only when
+    quantized (else the runtime loads ``head.onnx``). Returns the manifest's fields that describe it."""
+    from qspec.heads import export, ort_graph
+    from qspec.package import attention_slack
+
+    fields = {"runtime_graph": HEAD_ONNX, "fusions": {}, "quantized_matmuls": 0}
+    if method != "eagle" and weight_format == "fp32":
+        return fields
+    runtime = ort_graph.copy_model(model)
+    if method == "eagle":
+        say("fusing the head's attention (GroupQueryAttention) and RMSNorm")
+        kv_slack = attention_slack(max(spec.seq_len for spec in specs))
+        rope_positions = config.ctx_len + kv_slack
+        fusions = ort_graph.fuse_eagle(runtime, export.eagle_attention_info(head), rope_positions=rope_positions)
+        fields |= {"fusions": fusions, "kv_slack": kv_slack, "rope_positions": rope_positions}
+    if weight_format != "fp32":
+        say(f"quantizing the head's MatMul weights to {weight_format}")
+    fields["quantized_matmuls"] = ort_graph.write_runtime_graph(
+        runtime, folder / HEAD_ORT_ONNX, weight_format=weight_format
+    )
+    return fields | {"runtime_graph": HEAD_ORT_ONNX}
+
+
 # Orchestrator ----------------------------------------------------------------------------------------
 
 
@@ -206,9 +234,9 @@ def compile_head(
     ``config``: the target's specialization config (Ks, prefill, ctx_len, batch sizes).
     ``target_onnx``: the target graph holding its tables (default: the package's ``model.onnx``).
     """
-    from qspec.heads import export, ort_graph
+    from qspec.heads import export
     from qspec.heads.modules import load_head
-    from qspec.package import ONNX_FILE, attention_slack
+    from qspec.package import ONNX_FILE
 
     say = progress or (lambda message: None)
     begin = time.perf_counter()
@@ -234,18 +262,7 @@ def compile_head(
         model = export.trace_medusa(head)
         names = [contract.HIDDEN_STATES], [contract.LOGITS]
         specs = medusa_specializations(config)
-    runtime_graph, fusions, quantized, kv_slack, rope_positions = HEAD_ONNX, {}, 0, 0, None
-    if method == "eagle" or weight_format != "fp32":
-        runtime = ort_graph.copy_model(model)
-        if method == "eagle":
-            say("fusing the head's attention (GroupQueryAttention) and RMSNorm")
-            kv_slack = attention_slack(max(spec.seq_len for spec in specs))
-            rope_positions = config.ctx_len + kv_slack
-            fusions = ort_graph.fuse_eagle(runtime, export.eagle_attention_info(head), rope_positions=rope_positions)
-        if weight_format != "fp32":
-            say(f"quantizing the head's MatMul weights to {weight_format}")
-        quantized = ort_graph.write_runtime_graph(runtime, folder / HEAD_ORT_ONNX, weight_format=weight_format)
-        runtime_graph = HEAD_ORT_ONNX
+    runtime = _write_runtime_graph(model, head, method, folder, config, specs, weight_format, say)
     fp16 = export.store_float16(model)
     export.save(model, folder / HEAD_ONNX)
 
@@ -276,12 +293,8 @@ def compile_head(
         ctx_len=config.ctx_len if eagle else None,
         full_batch_size=config.full_batch_size,
         continuous_batching=config.continuous_batching,
-        runtime_graph=runtime_graph,
-        fusions=fusions,
-        kv_slack=kv_slack,
-        rope_positions=rope_positions,
+        **runtime,
         weight_format=weight_format,
-        quantized_matmuls=quantized,
         float16_initializers=fp16,
         input_names=names[0],
         output_names=names[1],
@@ -290,7 +303,7 @@ def compile_head(
         backend=backend,
         qaic=qaic_result,
         graph_bytes=export.graph_bytes(folder / HEAD_ONNX),
-        runtime_graph_bytes=export.graph_bytes(folder / runtime_graph),
+        runtime_graph_bytes=export.graph_bytes(folder / runtime["runtime_graph"]),
         export_seconds=round(time.perf_counter() - begin, 2),
     )
     if backend == "ort":
