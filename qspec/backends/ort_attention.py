@@ -82,6 +82,7 @@ def fuse_attention(
     pack_qkv: bool = False,
     pack_tokens: bool = False,
     trim_rows: bool = False,
+    layer_prefix: str = LAYER_PREFIX,
 ) -> int:
     """Replace every layer's attention of an ``onnx_ir`` model with ``GroupQueryAttention``; returns how many.
 
@@ -94,6 +95,8 @@ def fuse_attention(
     :func:`pack_live_tokens`). ``trim_rows`` (a graph without ``batch_index``): every node but
     attention runs on each row's first live tokens, as many as the call's longest row has (see
     :func:`trim_rows`).
+    ``layer_prefix``: where layer ``{i}``'s projections are (a draft head's graph holds its layer under
+    another module path than the target's ``model.layers.{i}.self_attn.``).
     """
     import onnx_ir as ir
 
@@ -107,7 +110,7 @@ def fuse_attention(
     outputs = {value.name: (i, value) for i, value in enumerate(graph.outputs)}
     nodes = []
     for i in range(attention.num_layers):
-        prefix = LAYER_PREFIX.format(i=i)
+        prefix = layer_prefix.format(i=i)
         q, k, v = (producers[prefix + name] for name in ("q_proj", "k_proj", "v_proj"))
         o_proj = producers[prefix + "o_proj"].producer()  # its MatMul reads the attention output
         if attention.qk_norm:  # per-head RMSNorm before RoPE (the CPU kernel has no q/k norm inputs)

@@ -149,7 +149,7 @@ def head_micro_benchmark(
 
     manifest = read_head_manifest(package)
     rows = manifest.full_batch_size or 1
-    kv = (manifest.num_kv_heads, manifest.ctx_len, manifest.head_dim) if manifest.method == "eagle" else None
+    kv = manifest.kv_shape if manifest.method == "eagle" else None
     graph = HeadGraph(manifest.path(package, manifest.runtime_graph), rows=rows, kv=kv, num_threads=num_threads)
     specs = list(manifest.specializations)
     feeds = [head_feeds(manifest, spec, graph) for spec in specs]

@@ -132,6 +132,14 @@ def eagle_dims(head, *, continuous_batching: bool) -> dict[str, list]:
     return dims | {contract.retained(name): kv for name in contract.kv_names(1)}
 
 
+def eagle_attention_info(head):
+    """The :class:`~qspec.package.AttentionInfo` of an EAGLE head's one layer (what its fused runtime graph
+    reads: heads, scale, RoPE)."""
+    from qspec.export.wrapper import attention_info
+
+    return attention_info(_Decoder(head))
+
+
 def medusa_dims(head) -> dict[str, list]:
     return {
         contract.HIDDEN_STATES: [contract.BATCH_SIZE, 1, head.hidden_size],

@@ -5,7 +5,8 @@
     <package>/head/
       head.json              HeadManifest: method, layout, sizes, files, the target's fingerprint
       head.onnx(+.data)      the head graph (the vendor's; float16-stored weights)
-      head.ort.onnx(+.data)  int8/int4 only: MatMulNBits weights, what the runtime loads
+      head.ort.onnx(+.data)  what the runtime loads: EAGLE's with GroupQueryAttention (every format,
+                             qspec.heads.ort_graph), int8/int4 with MatMulNBits weights
       draft_ids.npy          int64 [draft_vocab]: target id of each draft-vocabulary entry (reduced vocab only)
       specializations.json   the head's shapes (flat or named, as the target's)
       custom_io.yaml, compile_qaic.sh   backend "qaic" only
@@ -33,7 +34,7 @@ HEAD_MANIFEST = "head.json"
 HEAD_ONNX = "head.onnx"
 HEAD_ORT_ONNX = "head.ort.onnx"
 DRAFT_IDS_FILE = "draft_ids.npy"
-HEAD_MANIFEST_VERSION = 1
+HEAD_MANIFEST_VERSION = 2  # 2: EAGLE's runtime graph fused (fusions, kv_slack, rope_positions)
 
 HeadMethod = Literal["eagle", "medusa"]
 HeadLayout = Literal["eagle", "medusa", "turbo"]  # the checkpoint layout the head was read from
@@ -63,6 +64,10 @@ class HeadManifest(FrozenModel):
     continuous_batching: bool = False
     graph: str = HEAD_ONNX  # the vendor graph
     runtime_graph: str = HEAD_ONNX  # what ONNX Runtime loads
+    fusions: dict[str, int] = Field(default_factory=dict)  # ops fused into the runtime graph, and how many
+    # KV slots the runtime graph needs beyond ctx_len (GroupQueryAttention: see qspec.package.attention_slack)
+    kv_slack: int = Field(default=0, ge=0)
+    rope_positions: int | None = None  # rows of the runtime graph's RoPE table (GroupQueryAttention only)
     weight_format: HeadWeightFormat = "fp32"
     quantized_matmuls: int = 0
     float16_initializers: int = 0
@@ -76,6 +81,13 @@ class HeadManifest(FrozenModel):
     graph_bytes: int = 0  # head.onnx and its data
     runtime_graph_bytes: int = 0
     export_seconds: float = 0.0
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int] | None:
+        """``(num_kv_heads, slots, head_dim)`` of each KV buffer the runtime graph reads (EAGLE), else None."""
+        if self.num_kv_heads is None or self.ctx_len is None or self.head_dim is None:
+            return None
+        return self.num_kv_heads, self.ctx_len + self.kv_slack, self.head_dim
 
     def path(self, package: str | os.PathLike[str], name: str) -> Path:
         """``<package>/head/<name>``."""

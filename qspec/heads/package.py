@@ -2,8 +2,9 @@
 
 :func:`compile_head` reads the head checkpoint (any layout of :mod:`qspec.heads.modules`), takes the
 target's embedding and LM head from the package's own ``model.onnx`` (a head checkpoint rarely carries
-them), exports the head graph, writes its specializations and, for ``qaic``, its own custom IO and
-compile command: a second program beside the target's, as QEfficient compiles a draft model.
+them), exports the head graph, writes its runtime graph (:mod:`qspec.heads.ort_graph`), its
+specializations and, for ``qaic``, its own custom IO and compile command: a second program beside the
+target's, as QEfficient compiles a draft model.
 
 Specializations (one shape per step and per covering K, like the target's):
 
@@ -58,7 +59,8 @@ from qspec.specializations import Specialization, SpecializationConfig
 Progress = Callable[[str], None]
 EMBED_TOKENS = "model.embed_tokens.weight"  # the target graph's initializer names (Hugging Face's)
 LM_HEAD = "lm_head.weight"
-BITS = {"int8": 8, "int4": 4}
+# Bump when the head's graphs change (they are built from the head's files and this): see head_digest.
+HEAD_RECIPE_VERSION = 2
 
 
 # Specializations -------------------------------------------------------------------------------------
@@ -130,8 +132,9 @@ def target_tables(onnx_path: Path):
 
 
 def head_digest(head_dir: str | os.PathLike[str]) -> str:
-    """Hash of every file of a head folder (names and contents)."""
-    digest = hashlib.sha256()
+    """Hash of every file of a head folder (names and contents) and of the recipe of its graphs: a package
+    whose head was built by an older recipe is rebuilt, not reused."""
+    digest = hashlib.sha256(f"head graphs {HEAD_RECIPE_VERSION}".encode())
     folder = Path(head_dir)
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         digest.update(str(path.relative_to(folder)).encode())
@@ -184,6 +187,33 @@ def prepare_head_qaic(head_dir: Path, method: str, options: QaicOptions, *, run:
     )
 
 
+# The runtime graph -----------------------------------------------------------------------------------
+
+
+def _write_runtime_graph(model, head, method: str, folder: Path, config, specs, weight_format: str, say) -> dict:
+    """``head.ort.onnx`` (:mod:`qspec.heads.ort_graph`): EAGLE's fused, in every format; Medusa's only when
+    quantized (else the runtime loads ``head.onnx``). Returns the manifest's fields that describe it."""
+    from qspec.heads import export, ort_graph
+    from qspec.package import attention_slack
+
+    fields = {"runtime_graph": HEAD_ONNX, "fusions": {}, "quantized_matmuls": 0}
+    if method != "eagle" and weight_format == "fp32":
+        return fields
+    runtime = ort_graph.copy_model(model)
+    if method == "eagle":
+        say("fusing the head's attention (GroupQueryAttention) and RMSNorm")
+        kv_slack = attention_slack(max(spec.seq_len for spec in specs))
+        rope_positions = config.ctx_len + kv_slack
+        fusions = ort_graph.fuse_eagle(runtime, export.eagle_attention_info(head), rope_positions=rope_positions)
+        fields |= {"fusions": fusions, "kv_slack": kv_slack, "rope_positions": rope_positions}
+    if weight_format != "fp32":
+        say(f"quantizing the head's MatMul weights to {weight_format}")
+    fields["quantized_matmuls"] = ort_graph.write_runtime_graph(
+        runtime, folder / HEAD_ORT_ONNX, weight_format=weight_format
+    )
+    return fields | {"runtime_graph": HEAD_ORT_ONNX}
+
+
 # Orchestrator ----------------------------------------------------------------------------------------
 
 
@@ -233,13 +263,7 @@ def compile_head(
         model = export.trace_medusa(head)
         names = [contract.HIDDEN_STATES], [contract.LOGITS]
         specs = medusa_specializations(config)
-    quantized, runtime_graph = 0, HEAD_ONNX
-    if weight_format != "fp32":
-        say(f"quantizing the head's MatMul weights to {weight_format}")
-        quantized_model, quantized = export.quantize_copy(model, BITS[weight_format])
-        export.store_float16(quantized_model)
-        export.save(quantized_model, folder / HEAD_ORT_ONNX)
-        runtime_graph = HEAD_ORT_ONNX
+    runtime = _write_runtime_graph(model, head, method, folder, config, specs, weight_format, say)
     fp16 = export.store_float16(model)
     export.save(model, folder / HEAD_ONNX)
 
@@ -270,9 +294,8 @@ def compile_head(
         ctx_len=config.ctx_len if eagle else None,
         full_batch_size=config.full_batch_size,
         continuous_batching=config.continuous_batching,
-        runtime_graph=runtime_graph,
+        **runtime,
         weight_format=weight_format,
-        quantized_matmuls=quantized,
         float16_initializers=fp16,
         input_names=names[0],
         output_names=names[1],
@@ -281,7 +304,7 @@ def compile_head(
         backend=backend,
         qaic=qaic_result,
         graph_bytes=export.graph_bytes(folder / HEAD_ONNX),
-        runtime_graph_bytes=export.graph_bytes(folder / runtime_graph),
+        runtime_graph_bytes=export.graph_bytes(folder / runtime["runtime_graph"]),
         export_seconds=round(time.perf_counter() - begin, 2),
     )
     if backend == "ort":
@@ -306,7 +329,7 @@ def example_feeds(manifest: HeadManifest, spec: Specialization) -> dict[str, np.
         feeds[contract.BATCH_INDEX] = np.arange(batch, dtype=np.int64)[:, None]
     rows = spec.full_batch_size or batch
     for name in contract.kv_names(1):
-        feeds[name] = np.zeros((rows, manifest.num_kv_heads, spec.ctx_len, manifest.head_dim), np.float32)
+        feeds[name] = np.zeros((rows, *manifest.kv_shape), np.float32)
     return feeds
 
 

@@ -80,8 +80,8 @@ class HeadGraph:
         self.batch_index = contract.BATCH_INDEX in names
         self.kv_values = []
         if kv is not None:
-            kv_heads, ctx_len, head_dim = kv
-            shape = (rows, kv_heads, ctx_len, head_dim)
+            kv_heads, slots, head_dim = kv
+            shape = (rows, kv_heads, slots, head_dim)
             self.kv_values = [
                 (name, ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32))) for name in contract.kv_names(1)
             ]
@@ -338,9 +338,7 @@ def load_head_proposer(
         raise ConfigError(f"{package}'s draft head is {manifest.method}; use --method {manifest.method}")
     threshold = DEFAULT_THRESHOLD if draft_confidence_threshold is None else draft_confidence_threshold
     rows = manifest.full_batch_size or 1
-    kv = None
-    if method == "eagle":
-        kv = (manifest.num_kv_heads, manifest.ctx_len, manifest.head_dim)
+    kv = manifest.kv_shape if method == "eagle" else None  # slots: ctx_len and the fused attention's slack
     graph = HeadGraph(manifest.path(package, manifest.runtime_graph), rows=rows, kv=kv, num_threads=num_threads)
     draft_ids = read_draft_ids(package, manifest)
     common = dict(ctx_len=manifest.ctx_len or 0, hidden_size=manifest.hidden_size, rows=rows, threshold=threshold)
