@@ -222,3 +222,14 @@ def test_gguf_of_an_architecture_read_another_way_falls_back_to_loading(tmp_path
     meta = exporter._export_into(out, resolve_source(gguf_file), "d", "k", ExportOptions(), messages.append)
     assert not meta.streamed
     assert any("cannot be streamed" in m for m in messages)
+
+
+@pytest.mark.slow
+def test_streamed_smollm2_gguf_export_is_byte_identical(tmp_path, monkeypatch):
+    """The real SmolLM2 GGUF (Q4_1, Q8_0 and F32 tensors, tied): streamed, the same graph and weight bytes."""
+    from tests.test_smollm2 import smollm2_path
+
+    gguf_file = smollm2_path()
+    streamed = _export(gguf_file, tmp_path / "s", stream=True, monkeypatch=monkeypatch, meta=True)
+    loaded = _export(gguf_file, tmp_path / "l", stream=False, monkeypatch=monkeypatch, meta=True)
+    assert streamed == loaded
