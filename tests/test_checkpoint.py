@@ -193,11 +193,12 @@ def test_streamed_gguf_export_is_byte_identical_to_the_in_memory_one(tmp_path, m
     assert streamed == loaded
 
 
-def test_gguf_checkpoint_reads_what_transformers_loads(tmp_path):
+@pytest.mark.parametrize("weights", ["Q4_0", "Q4_1", "Q5_1", "Q8_0", "F16", "BF16", "F32"])
+def test_gguf_checkpoint_reads_what_transformers_loads(tmp_path, weights):
     """Every parameter read from the GGUF equals, bit for bit, the one transformers' GGUF loader puts in the model."""
     from qspec.export.loader import load_model
 
-    gguf_file = save_tiny_gguf(tmp_path / "m.gguf", "llama", tie=False)
+    gguf_file = save_tiny_gguf(tmp_path / "m.gguf", "llama", tie=False, weights=weights)
     model, _ = load_model(resolve_source(gguf_file))
     _, _, checkpoint = load_skeleton(resolve_source(gguf_file))
     params = dict(model.named_parameters())
