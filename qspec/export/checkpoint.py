@@ -152,7 +152,7 @@ def _loaded_another_way(architecture: str) -> bool:
 
 
 class StreamedWeights:
-    """Initializer data read from a :class:`Checkpoint` when the graph writer asks for it.
+    """Initializer data read from a :class:`Checkpoint` or :class:`GGUFCheckpoint` when the graph writer asks for it.
 
     ``transposed``: names of weights the graph stores ``[in, out]`` (the checkpoint holds ``[out, in]``).
     """
