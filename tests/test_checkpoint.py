@@ -1,4 +1,5 @@
-"""Streamed export: weights read tensor by tensor from the safetensors checkpoint, the same graph and bytes."""
+"""Streamed export: weights read tensor by tensor from the safetensors checkpoint or the GGUF file, the same
+graph and bytes."""
 
 from __future__ import annotations
 
@@ -9,23 +10,89 @@ import torch
 
 from qspec.export import checkpoint as checkpoint_module
 from qspec.export import exporter
-from qspec.export.checkpoint import Checkpoint
+from qspec.export.checkpoint import Checkpoint, GGUFCheckpoint
 from qspec.export.graph import ExportOptions
 from qspec.export.loader import load_skeleton, materialize, resolve_source
 from tests.conftest import byte_tokenizer, save_tiny_model, tiny_config
 
+# llama.cpp's architecture name of each family transformers reads from a GGUF.
+GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
-def _export(folder, out, *, stream: bool, monkeypatch, options=None, say=None):
-    """Export ``folder`` into ``out`` in this process, streamed or through the in-memory loader."""
+
+def save_tiny_gguf(path, family: str, *, tie: bool = True, weights: str = "Q4_1", layers: int = 2):
+    """A tiny random model of ``family`` written as llama.cpp writes a GGUF: ``weights`` for the matrices,
+    Q8_0 for the embedding (as in SmolLM2's Q4_1 file), F32 vectors, q/k permuted for llama."""
+    import gguf
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(family, tie=tie, layers=layers)
+    if family == "qwen3":
+        config.head_dim = 128  # a qwen3 GGUF gives transformers no head_dim: it takes its default, 128
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    arch = GGUF_ARCH[family]
+    writer = gguf.GGUFWriter(path, arch)
+    _write_gguf_metadata(writer, config)
+    names = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), layers)
+    for name, tensor in model.state_dict().items():
+        if tie and name == "lm_head.weight":
+            continue  # a tied GGUF has no output.weight
+        base, suffix = name.rsplit(".", 1)
+        data = (tensor.detach() * 3 if tensor.dim() > 1 else tensor.detach()).numpy()
+        if arch == "llama" and base.endswith(("q_proj", "k_proj")):  # llama.cpp's rotary layout
+            heads = config.num_attention_heads if base.endswith("q_proj") else config.num_key_value_heads
+            data = data.reshape(heads, 2, -1, data.shape[1]).swapaxes(1, 2).reshape(data.shape)
+        kind = gguf.GGMLQuantizationType.F32
+        if data.ndim > 1:
+            kind = gguf.GGMLQuantizationType["Q8_0" if "embed" in name else weights]
+        stored = data if kind == gguf.GGMLQuantizationType.F32 else gguf.quants.quantize(data, kind)
+        writer.add_tensor(f"{names.get_name(base)}.{suffix}", stored, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _write_gguf_metadata(writer, config) -> None:
+    """The config and a byte-level tokenizer (the test tokenizer's vocabulary) as GGUF metadata."""
+    writer.add_name("tiny")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_dimension_count(
+        getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    )
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    vocab = sorted(byte_tokenizer().get_vocab(), key=byte_tokenizer().get_vocab().get)
+    tokens = vocab + [f"<extra_{i}>" for i in range(config.vocab_size - len(vocab) - 1)] + ["ab"]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if i < 3 else 1 for i in range(len(tokens))])
+    writer.add_token_merges(["a b"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+
+
+def _export(model, out, *, stream: bool, monkeypatch, options=None, say=None, meta=False):
+    """Export ``model`` (folder or .gguf) into ``out`` in this process, streamed or through the in-memory loader."""
     out.mkdir()
     with monkeypatch.context() as patch:
         if not stream:
             patch.setattr(exporter, "load_skeleton", lambda source: None)
-        meta = exporter._export_into(
-            out, resolve_source(folder), "digest", "key", options or ExportOptions(), say or (lambda m: None)
+        written = exporter._export_into(
+            out, resolve_source(model), "digest", "key", options or ExportOptions(), say or (lambda m: None)
         )
-    assert meta.streamed is stream
-    return (out / "model.onnx").read_bytes(), (out / "model.onnx.data").read_bytes()
+    assert written.streamed is stream
+    result = (out / "model.onnx").read_bytes(), (out / "model.onnx.data").read_bytes()
+    return (*result, written.model) if meta else result
 
 
 @pytest.mark.parametrize("family,tie", [("llama", True), ("qwen2", False), ("qwen3", True)])
@@ -53,12 +120,16 @@ def test_sharded_bf16_checkpoint_streams_like_it_loads(tmp_path, monkeypatch):
     assert streamed == loaded
 
 
-def test_export_reads_each_weight_once_and_holds_one_at_a_time(tmp_path, monkeypatch):
+@pytest.mark.parametrize("kind", ["safetensors", "gguf"])
+def test_export_reads_each_weight_once_and_holds_one_at_a_time(tmp_path, monkeypatch, kind):
     """The export never materializes all weights: each checkpoint tensor is read once and dropped once written."""
-    folder = save_tiny_model(tmp_path / "m", "llama", tie=False, layers=6)
+    if kind == "gguf":
+        model, source_class = save_tiny_gguf(tmp_path / "m.gguf", "llama", tie=False, layers=6), GGUFCheckpoint
+    else:
+        model, source_class = save_tiny_model(tmp_path / "m", "llama", tie=False, layers=6), Checkpoint
     reads: dict[str, int] = {}
     live = {"now": 0, "peak": 0}
-    read = Checkpoint.read
+    read = source_class.read
 
     def read_once(self, name):
         reads[name] = reads.get(name, 0) + 1
@@ -78,11 +149,12 @@ def test_export_reads_each_weight_once_and_holds_one_at_a_time(tmp_path, monkeyp
         weakref.finalize(result.raw, lambda: live.__setitem__("now", live["now"] - 1))
         return result
 
-    monkeypatch.setattr(Checkpoint, "read", read_once)
+    monkeypatch.setattr(source_class, "read", read_once)
     monkeypatch.setattr(checkpoint_module.StreamedWeights, "_load", load_tracked)
     messages: list[str] = []
-    _export(folder, tmp_path / "s", stream=True, monkeypatch=monkeypatch, say=messages.append)
-    assert set(reads) == Checkpoint.find(folder).names  # every tensor, once
+    _export(model, tmp_path / "s", stream=True, monkeypatch=monkeypatch, say=messages.append)
+    skeleton, _, checkpoint = load_skeleton(resolve_source(model))
+    assert set(reads) == checkpoint.names  # every tensor, once
     assert live["peak"] <= 2, f"{live['peak']} weights in memory at once"  # the fp32 copy and at most its source
     assert any(m.startswith(f"writing weights: {len(reads)}/{len(reads)} tensors") and "ETA" in m for m in messages)
 
@@ -106,3 +178,59 @@ def test_checkpoints_that_do_not_stream_fall_back_to_loading(tmp_path):
     folder = save_tiny_model(tmp_path / "m", "llama", layers=2)
     (folder / "model.safetensors").rename(folder / "other.safetensors")
     assert load_skeleton(resolve_source(folder)) is None
+
+
+@pytest.mark.parametrize(
+    "family,tie,weights",
+    [("llama", True, "Q4_1"), ("llama", False, "Q8_0"), ("qwen2", False, "Q4_1"), ("qwen3", True, "F16")],
+)
+def test_streamed_gguf_export_is_byte_identical_to_the_in_memory_one(tmp_path, monkeypatch, family, tie, weights):
+    """A GGUF streams through the export: the same graph, weight bytes and model info as transformers' GGUF load."""
+    gguf_file = save_tiny_gguf(tmp_path / "m.gguf", family, tie=tie, weights=weights, layers=3)
+    options = ExportOptions(continuous_batching=True, hidden_states=True)
+    streamed = _export(gguf_file, tmp_path / "s", stream=True, monkeypatch=monkeypatch, options=options, meta=True)
+    loaded = _export(gguf_file, tmp_path / "l", stream=False, monkeypatch=monkeypatch, options=options, meta=True)
+    assert streamed == loaded
+
+
+@pytest.mark.parametrize("weights", ["Q4_0", "Q4_1", "Q5_1", "Q8_0", "F16", "BF16", "F32"])
+def test_gguf_checkpoint_reads_what_transformers_loads(tmp_path, weights):
+    """Every parameter read from the GGUF equals, bit for bit, the one transformers' GGUF loader puts in the model."""
+    from qspec.export.loader import load_model
+
+    gguf_file = save_tiny_gguf(tmp_path / "m.gguf", "llama", tie=False, weights=weights)
+    model, _ = load_model(resolve_source(gguf_file))
+    _, _, checkpoint = load_skeleton(resolve_source(gguf_file))
+    params = dict(model.named_parameters())
+    assert checkpoint.names == set(params)
+    for name, param in params.items():
+        assert torch.equal(checkpoint.read(name), param.detach()), name
+
+
+def test_gguf_of_an_architecture_read_another_way_falls_back_to_loading(tmp_path, monkeypatch):
+    """A GGUF whose tensors transformers does not convert one at a time is loaded whole, and the export says so."""
+    import transformers.modeling_gguf_pytorch_utils as hf_gguf
+
+    class Merging(hf_gguf.TensorProcessor):
+        """Stands for a processor that merges tensors (as the MoE ones do)."""
+
+    monkeypatch.setitem(hf_gguf.TENSOR_PROCESSORS, "llama", Merging)
+    gguf_file = save_tiny_gguf(tmp_path / "m.gguf", "llama")
+    assert load_skeleton(resolve_source(gguf_file)) is None
+    messages: list[str] = []
+    out = tmp_path / "e"
+    out.mkdir()
+    meta = exporter._export_into(out, resolve_source(gguf_file), "d", "k", ExportOptions(), messages.append)
+    assert not meta.streamed
+    assert any("cannot be streamed" in m for m in messages)
+
+
+@pytest.mark.slow
+def test_streamed_smollm2_gguf_export_is_byte_identical(tmp_path, monkeypatch):
+    """The real SmolLM2 GGUF (Q4_1, Q8_0 and F32 tensors, tied): streamed, the same graph and weight bytes."""
+    from tests.test_smollm2 import smollm2_path
+
+    gguf_file = smollm2_path()
+    streamed = _export(gguf_file, tmp_path / "s", stream=True, monkeypatch=monkeypatch, meta=True)
+    loaded = _export(gguf_file, tmp_path / "l", stream=False, monkeypatch=monkeypatch, meta=True)
+    assert streamed == loaded

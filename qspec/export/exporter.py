@@ -32,7 +32,7 @@ from qspec.export.loader import ModelSource, load_model, load_skeleton, material
 from qspec.export.wrapper import adapter_for, attention_info
 
 if TYPE_CHECKING:
-    from qspec.export.checkpoint import Checkpoint
+    from qspec.export.checkpoint import Checkpoint, GGUFCheckpoint
 from qspec.package import ONNX_FILE, TOKENIZER_DIR, ModelInfo
 
 EXPORT_META = "export.json"
@@ -198,8 +198,9 @@ def _export_into(folder: Path, source: ModelSource, digest: str, key: str, optio
     skeleton = load_skeleton(source)
     if skeleton is not None:
         model, tokenizer, checkpoint = skeleton
-        say("streaming the weights from the safetensors checkpoint (the model is never held whole)")
+        say(f"streaming the weights from {checkpoint.description} (the model is never held whole)")
     else:
+        say("loading the whole model: its weights cannot be streamed from this checkpoint")
         (model, tokenizer), checkpoint = load_model(source), None
     adapter_for(model.config)  # unsupported families fail before the slow part
     if options.num_layers is not None:
@@ -262,7 +263,13 @@ def _model_info(model, tokenizer) -> ModelInfo:
 
 
 def trace_to_onnx(
-    model, path: Path, options: ExportOptions, info: ModelInfo, say: Progress, *, checkpoint: Checkpoint | None = None
+    model,
+    path: Path,
+    options: ExportOptions,
+    info: ModelInfo,
+    say: Progress,
+    *,
+    checkpoint: Checkpoint | GGUFCheckpoint | None = None,
 ) -> dict[str, float]:
     """Trace the KV-explicit wrapper piece by piece and write the chained graph; returns phase seconds.
 

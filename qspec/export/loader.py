@@ -98,43 +98,81 @@ def load_model(source: ModelSource):
 
 def load_skeleton(source: ModelSource):
     """``(model, tokenizer, checkpoint)`` with the model's parameters on the meta device, or None when the
-    weights cannot be streamed from a safetensors checkpoint (GGUF, ``.bin``, hub ids, other tensor names).
+    weights cannot be streamed (``.bin``, hub ids, other tensor names, a GGUF architecture transformers
+    converts other than tensor by tensor).
 
     The weights are read later, tensor by tensor, by :class:`~qspec.export.checkpoint.StreamedWeights`;
     buffers computed from the config (RoPE frequencies) are real.
     """
-    if not source.is_local or source.gguf_file:
+    if not source.is_local:
         return None
+    if source.gguf_file:
+        return _gguf_skeleton(source)
     from qspec.export.checkpoint import Checkpoint
 
     checkpoint = Checkpoint.find(source.folder)
     if checkpoint is None:
         return None
+    from transformers import GenerationConfig
+
+    model = _meta_model(source)
+    if not _parameter_names(model) <= checkpoint.names:
+        return None  # renamed or converted tensors: transformers' own loader knows how
+    tokenizer = _tokenizer(source)
+    with contextlib.suppress(OSError, ValueError):  # the eos ids of generation_config.json, as from_pretrained
+        model.generation_config = GenerationConfig.from_pretrained(source.folder)
+    return model.eval(), tokenizer, checkpoint
+
+
+def _gguf_skeleton(source: ModelSource):
+    """:func:`load_skeleton` of a ``.gguf`` file: config and tokenizer from transformers' GGUF reading, the
+    weights from a :class:`~qspec.export.checkpoint.GGUFCheckpoint`."""
+    from qspec.export.checkpoint import GGUFCheckpoint
+
+    with _gguf_read_once():
+        model = _meta_model(source)
+        checkpoint = GGUFCheckpoint.open(source.folder / source.gguf_file, model)
+        if checkpoint is None or not _parameter_names(model) <= checkpoint.names:
+            return None
+        tokenizer = _tokenizer(source)
+    return model.eval(), tokenizer, checkpoint
+
+
+def _meta_model(source: ModelSource):
+    """The model of ``source``'s config in fp32, its parameters on the meta device (tied as from_pretrained ties)."""
     import torch
     from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     from qspec.export.wrapper import adapter_for
 
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     try:
-        config = AutoConfig.from_pretrained(source.folder)
+        config = AutoConfig.from_pretrained(source.folder, **kwargs)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"could not load model from '{source.folder}': {_first_line(exc)}") from exc
     adapter_for(config)  # an unsupported family fails before anything else
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.tie_weights()  # from_pretrained ties them; on the meta device from_config does not
-    if not {name for name, _ in model.named_parameters()} <= checkpoint.names:
-        return None  # renamed or converted tensors: transformers' own loader knows how
+    return model
+
+
+def _tokenizer(source: ModelSource):
+    from transformers import AutoTokenizer
+
+    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source.folder)
+        return AutoTokenizer.from_pretrained(source.folder, **kwargs)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"could not load the tokenizer from '{source.folder}': {_first_line(exc)}") from exc
-    with contextlib.suppress(OSError, ValueError):  # the eos ids of generation_config.json, as from_pretrained
-        model.generation_config = GenerationConfig.from_pretrained(source.folder)
-    return model.eval(), tokenizer, checkpoint
+
+
+def _parameter_names(model) -> set[str]:
+    return {name for name, _ in model.named_parameters()}
 
 
 def materialize(model, layers) -> int:
