@@ -69,7 +69,8 @@ PAGE_BYTES = 4096
 
 
 def fuse(model) -> dict[str, int]:
-    """RMSNorm and skip-RMSNorm fusions on an ``onnx_ir`` model; returns the count of each.
+    """RMSNorm and skip-RMSNorm fusions on an ``onnx_ir`` model, its inputs' and outputs' shapes kept;
+    returns the count of each.
 
     No constant folding first: the rules match the exported graph as it is, and folding (slow: mostly
     weight transposes) is what ONNX Runtime does anyway when it loads the graph.
@@ -78,16 +79,19 @@ def fuse(model) -> dict[str, int]:
     from onnxscript import optimizer
     from onnxscript.rewriter.ort_fusions import rms_normalization, skip_normalization
 
+    contract_shapes = {value.name: value.shape for value in (*model.graph.inputs, *model.graph.outputs)}
     common_passes.ShapeInferencePass()(model)  # the fusion rules check ranks and shapes
     counts = {
         "rms_normalization": rms_normalization.fuse_rms_normalization(model),
         "skip_rms_normalization": skip_normalization.fuse_skip_rms_normalization(model),
     }
     optimizer.remove_unused_nodes(model)
+    for value in (*model.graph.inputs, *model.graph.outputs):  # shape inference may rename symbolic dims
+        value.shape = contract_shapes[value.name]
     return counts
 
 
-def _drop_unused_functions(model) -> None:
+def drop_unused_functions(model) -> None:
     """Remove the functions no node calls, and their domains' opset imports."""
     import onnx_ir.passes.common as common_passes
 
@@ -325,24 +329,21 @@ def optimize_graph(
     model = load_model(source)  # weights stay in the source's external data until needed
     bits = BITS.get(weight_format)
     say("fusing RMSNorm and skip-RMSNorm (onnxscript)")
-    contract_shapes = {value.name: value.shape for value in (*model.graph.inputs, *model.graph.outputs)}
     fusions = fuse(model)
-    for value in (*model.graph.inputs, *model.graph.outputs):  # shape inference may rename symbolic dims
-        value.shape = contract_shapes[value.name]
     if attention is not None:
         say("fusing attention (GroupQueryAttention)")
         # Every node but attention on live tokens only: with several KV rows the call's live tokens are
         # packed ([1, live, width], scattered to the op's rows and back in every layer); without, each
         # row is cut to the call's most live tokens in a row before the embedding (attention still pads
         # a one-token call, see ort_attention).
-        pack = contract.BATCH_INDEX in contract_shapes
+        pack = contract.BATCH_INDEX in {value.name for value in model.graph.inputs}
         fusions["group_query_attention"] = fuse_attention(
             model, attention, rope_positions, pack_qkv=True, pack_tokens=pack, trim_rows=not pack
         )
         fusions[PACKED_TOKENS if pack else TRIMMED_ROWS] = 1
-        _drop_unused_functions(model)  # the KV's CtxScatter/CtxGather: attention no longer calls them
+        drop_unused_functions(model)  # the KV's CtxScatter/CtxGather: attention no longer calls them
     quantized = 0
-    own_data = target.with_name(target.name + ".data")
+    own_data, vendor_data = target.with_name(target.name + ".data"), source.name + ".data"
     if bits is None:
         externalize_own_weights(model, own_data)  # the packed q/k/v and tables; the rest stays in the source's
     else:
@@ -352,7 +353,7 @@ def optimize_graph(
             model,
             bits,
             own_data,
-            kept=source.with_name(source.name + ".data"),
+            kept=source.with_name(vendor_data),
             block_size=block_size,
             accuracy_level=accuracy_level,
             symmetric=symmetric,
@@ -368,8 +369,8 @@ def optimize_graph(
         block_size=block_size if bits else None,
         accuracy_level=accuracy_level if bits else None,
         symmetric=symmetric if bits else None,
-        data_file=own_data.name if own_data.name in data_files else source.name + ".data",
-        vendor_data_file=source.name + ".data" if {own_data.name, source.name + ".data"} <= data_files else None,
+        data_file=own_data.name if own_data.name in data_files else vendor_data,
+        vendor_data_file=vendor_data if {own_data.name, vendor_data} <= data_files else None,
         weight_bytes=streamed_weight_bytes(target),
         rope_positions=rope_positions if fusions.get("group_query_attention", 0) else None,
         seconds=round(time.perf_counter() - begin, 2),

@@ -41,18 +41,13 @@ def copy_model(model):
 def fuse_eagle(model, attention, *, rope_positions: int) -> dict[str, int]:
     """RMSNorm fusions and ``GroupQueryAttention`` on a traced EAGLE graph, in place; the count of each."""
     from qspec.backends.ort_attention import fuse_attention
-    from qspec.backends.ort_optimize import fuse
+    from qspec.backends.ort_optimize import drop_unused_functions, fuse
 
-    contract_shapes = {value.name: value.shape for value in (*model.graph.inputs, *model.graph.outputs)}
     fusions = fuse(model)
-    for value in (*model.graph.inputs, *model.graph.outputs):  # shape inference may rename symbolic dims
-        value.shape = contract_shapes[value.name]
     fusions["group_query_attention"] = fuse_attention(
         model, attention, rope_positions, pack_qkv=True, layer_prefix=EAGLE_LAYER_PREFIX
     )
-    used = {(node.domain, node.op_type) for node in model.graph}
-    for key in [key for key in model.functions if key[:2] not in used]:  # the vendor attention's CtxScatter/CtxGather
-        del model.functions[key]
+    drop_unused_functions(model)  # the vendor attention's CtxScatter/CtxGather
     return fusions
 
 
