@@ -75,7 +75,7 @@ def drive(path, pairs, kv_shape, *, rows: int, batch_index: bool, seed: int):
         logits, feature = result[contract.LOGITS], result[contract.HIDDEN_STATES_OUT]
         for i, s, n in spans:
             if n:
-                out[(s, done[s] - 1)] = (logits[i, 0], feature[i, 0])
+                out[(s, done[s] - 1)] = (logits[i, 0].copy(), feature[i, 0].copy())  # the graph reuses its outputs
     return out
 
 
