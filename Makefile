@@ -12,7 +12,7 @@ PACKAGE := packages/smollm2-k0_1_2_4-eagle
 # The EAGLE head that ships with the project (self-distilled from the int4 package, `make head` remakes it).
 HEAD := heads/smollm2-135m-instruct-eagle
 HEAD_PACKAGE := packages/smollm2-int4-hidden
-HEAD_ARGS ?= --prompts 736 --instructions 528 --answer-with source --dialogues 0 --draft-vocab 4096 --epochs 3
+HEAD_ARGS ?= --prompts 736 --instructions 2000 --answer-with source --dialogues 0 --draft-vocab 4096 --epochs 3
 SERVE_PACKAGE := packages/smollm2-k0_4-fbs4
 DEMO_PROMPT := examples/code_edit.txt
 export HF_HUB_OFFLINE := 1
