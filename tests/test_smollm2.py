@@ -274,7 +274,7 @@ def test_shipped_head_greedy_equals_plain(compiled, weight_format, fbs):
         outputs[method] = [o.token_ids for o in engine.generate(prompts, params, chat=True)]
     assert outputs["eagle"] == outputs["none"]
     assert outputs["eagle+pld"] == outputs["none"]
-    unseen = chat_prompts(760, seed=0)[740:744] + instruction_prompts(548, seed=0)[540:544]  # it saw 736 and 528
+    unseen = chat_prompts(760, seed=0)[740:744] + instruction_prompts(2020, seed=0)[2010:2014]  # it saw 736 and 2000
     engine = Engine(package, method="eagle", dispatch="cover")
     engine.generate(unseen, params, chat=True)
     assert engine.last_metrics.acceptance_rate > 0.2, engine.last_metrics
