@@ -16,6 +16,10 @@ intra-op threads (``--threads``), in one process, interleaved so that a shared m
    (``none``, greedy) with ``model.run`` timed, and GenAI's ``Generator`` (``generate_next_token``) with
    its session profiled (its ``model_run`` events); and the time to the first token of both.
 
+``--widths`` measures only this, and exits: a call of every compiled K of ``PACKAGE`` (``S = K + 1`` tokens)
+against GenAI's graph at the same widths, neither session spinning: what a verify call costs against a
+one-token call in each runtime.
+
 ``--compare OTHER_PACKAGE`` times a second package beside qspec's (paired: a graph recipe's before/after);
 ``--session-config KEY=VALUE`` the same graph with extra session entries.
 
@@ -33,6 +37,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import collections
+import copy
 import gc
 import json
 import random
@@ -67,28 +72,34 @@ PARTS = (
 
 
 class QspecCall:
-    """qspec's one-token call as the engine makes it: the K=0 binding of a loaded package."""
+    """qspec's call as the engine makes it: the binding of K (default 0, the one-token call) of a loaded
+    package, one live row of ``K + 1`` tokens. ``model``: a package already loaded (its Ks share it)."""
 
-    def __init__(self, package: Path, threads: int):
-        self.model = CompiledModel(package, num_threads=threads)
-        self.bound = self.model.decode[0]
+    def __init__(self, package: Path, threads: int, *, k: int = 0, model: CompiledModel | None = None):
+        self.model = model or CompiledModel(package, num_threads=threads)
+        self.k = k
+        self.bound = self.model.decode[k]
         self.session = self.bound.session
 
     def at(self, position: int) -> None:
         self.bound.reset()
-        self.bound.input_ids[0, 0] = 1
-        self.bound.position_ids[0, 0] = position
+        self.bound.input_ids[0, : self.k + 1] = 1
+        self.bound.position_ids[0, : self.k + 1] = np.arange(position, position + self.k + 1)
 
     def run(self) -> None:
         self.model.run(self.bound)
 
 
-def genai_options(threads: int, *, profile: str | None = None, optimized: Path | None = None) -> ort.SessionOptions:
+def genai_options(
+    threads: int, *, spinning: bool = True, profile: str | None = None, optimized: Path | None = None
+) -> ort.SessionOptions:
     """The session options GenAI's overlay sets in the bench (intra-op threads, one inter-op thread)."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     options.log_severity_level = 3
+    if not spinning:
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if profile:
         options.enable_profiling = True
         options.profile_file_prefix = profile
@@ -101,36 +112,46 @@ def genai_options(threads: int, *, profile: str | None = None, optimized: Path |
 
 
 class GenaiCall:
-    """GenAI's graph in a plain ORT session, bound as GenAI binds it (past and present share one buffer)."""
+    """GenAI's graph in a plain ORT session, bound as GenAI binds it (past and present share one buffer), a
+    call of ``width`` tokens (:meth:`with_width`: another width on the same session and KV buffers)."""
 
     def __init__(self, folder: Path, threads: int, kv_len: int, options: ort.SessionOptions | None = None):
-        config = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]
+        config = json.loads((folder / "genai_config.json").read_text())["model"]
+        decoder = config["decoder"]
         self.session = ort.InferenceSession(
-            str(folder / config["filename"]), options or genai_options(threads), providers=["CPUExecutionProvider"]
+            str(folder / decoder["filename"]), options or genai_options(threads), providers=["CPUExecutionProvider"]
         )
-        layers, kv_heads, head = config["num_hidden_layers"], config["num_key_value_heads"], config["head_size"]
-        names = config["inputs"], config["outputs"]
-        self.kv = [
-            ort.OrtValue.ortvalue_from_numpy(np.zeros((1, kv_heads, kv_len, head), np.float32))
-            for _ in range(2 * layers)
-        ]
-        vocab = json.loads((folder / "genai_config.json").read_text())["model"]["vocab_size"]
-        self.ids = np.ones((1, 1), np.int64)
-        self.logits = np.zeros((1, 1, vocab), np.float32)
+        self.layers, self.vocab = decoder["num_hidden_layers"], config["vocab_size"]
+        self.names = decoder["inputs"], decoder["outputs"]
+        shape = (1, decoder["num_key_value_heads"], kv_len, decoder["head_size"])
+        self.kv = [ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32)) for _ in range(2 * self.layers)]
+        self._bind(1)
+
+    def with_width(self, width: int) -> GenaiCall:
+        other = copy.copy(self)
+        other._bind(width)
+        return other
+
+    def _bind(self, width: int) -> None:
+        inputs, outputs = self.names
+        self.width = width
+        self.ids = np.ones((1, width), np.int64)
+        self.logits = np.zeros((1, width, self.vocab), np.float32)
         self.binding = self.session.io_binding()
-        self.binding.bind_cpu_input(names[0]["input_ids"], self.ids)
-        self.binding.bind_ortvalue_output(names[1]["logits"], ort.OrtValue.ortvalue_from_numpy(self.logits))
-        for i in range(layers):
+        self.binding.bind_cpu_input(inputs["input_ids"], self.ids)
+        self.binding.bind_ortvalue_output(outputs["logits"], ort.OrtValue.ortvalue_from_numpy(self.logits))
+        for i in range(self.layers):
             for j, kind in enumerate(("key", "value")):
                 value = self.kv[2 * i + j]
-                self.binding.bind_ortvalue_input(names[0][f"past_{kind}_names"] % i, value)
-                self.binding.bind_ortvalue_output(names[1][f"present_{kind}_names"] % i, value)
-        self.mask_name = names[0]["attention_mask"]
+                self.binding.bind_ortvalue_input(inputs[f"past_{kind}_names"] % i, value)
+                self.binding.bind_ortvalue_output(outputs[f"present_{kind}_names"] % i, value)
+        self.mask_name = inputs["attention_mask"]
         self.masks: dict[int, ort.OrtValue] = {}
 
     def at(self, position: int) -> None:
         if position not in self.masks:
-            self.masks[position] = ort.OrtValue.ortvalue_from_numpy(np.ones((1, position + 1), np.int64))
+            mask = np.ones((1, position + self.width), np.int64)
+            self.masks[position] = ort.OrtValue.ortvalue_from_numpy(mask)
         self.binding.bind_ortvalue_input(self.mask_name, self.masks[position])
 
     def run(self) -> None:
@@ -381,6 +402,27 @@ def table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+def verify_cost(package: Path, genai_dir: Path, positions: list[int], threads: int, iterations: int) -> dict:
+    """Median ms of a call of every compiled K of ``package`` (``S = K + 1`` tokens) and of GenAI's graph at the
+    same widths, per position; neither session spinning (the idle one would steal the cores of the one that
+    runs). Prints the table and returns ``{position: {"qspec S=..": ms, "GenAI S=..": ms}}``."""
+    model = CompiledModel(package, num_threads=threads, spinning=False)
+    model.warm_up()
+    ks = sorted(model.decode)
+    genai = GenaiCall(genai_dir, threads, model.kv_len, genai_options(threads, spinning=False))
+    calls = {f"qspec S={k + 1}": QspecCall(package, threads, k=k, model=model) for k in ks}
+    calls |= {f"GenAI S={k + 1}": genai.with_width(k + 1) for k in ks}
+    out, rows = {}, []
+    for position in positions:
+        ms = {name: median(took) for name, took in time_interleaved(calls, position, iterations).items()}
+        out[position] = ms
+        cells = [f"{ms[name]:.2f} ({ms[name] / ms[name.split()[0] + ' S=1']:.2f})" for name in calls]
+        rows.append([position, *cells, f"{ms['qspec S=1'] / ms['GenAI S=1']:.3f}"])
+    print(f"## A call of S = K + 1 tokens (median of {iterations}; in brackets: x the same graph's S=1)\n")
+    print(table(["position", *calls, "qspec / GenAI, S=1"], rows) + "\n")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("package", type=Path)
@@ -397,10 +439,18 @@ def main() -> None:
     parser.add_argument("--profile-calls", type=int, default=50)
     parser.add_argument("--host", action="store_true", help="host time per step of both decode loops")
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument(
+        "--widths", action="store_true", help="only: every compiled K's call against GenAI's graph at that width"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     positions = [int(p) for p in args.positions.split(",")]
     out: dict = {"positions": positions, "threads": args.threads}
+    if args.widths:
+        out["width_ms"] = verify_cost(args.package, args.genai, positions, args.threads, args.iterations)
+        if args.json:
+            args.json.write_text(json.dumps(out, indent=1) + "\n")
+        return
     work = Path(tempfile.mkdtemp(prefix="profile-step-"))
     try:
         qspec = QspecCall(args.package, args.threads)
@@ -557,11 +607,11 @@ def configured(qspec: QspecCall, threads: int, entries: dict[str, str]) -> Qspec
 def _rebind(qspec: QspecCall, session: ort.InferenceSession) -> QspecCall:
     """A copy of ``qspec``'s K=0 call on ``session`` (its own KV buffers, same bound arrays)."""
     model = qspec.model
-    copy = QspecCall.__new__(QspecCall)
-    copy.model = model
-    copy.bound = model._bind(model.decode_specs[0], session)
-    copy.session = session
-    return copy
+    other = QspecCall.__new__(QspecCall)
+    other.model, other.k = model, 0
+    other.bound = model._bind(model.decode_specs[0], session)
+    other.session = session
+    return other
 
 
 if __name__ == "__main__":
