@@ -17,7 +17,7 @@ SERVE_PACKAGE := packages/smollm2-k0_4-fbs4
 DEMO_PROMPT := examples/code_edit.txt
 export HF_HUB_OFFLINE := 1
 
-.PHONY: install model peers demo head lint test test-fast bench bench-full scale serve-package serve serve-load clean
+.PHONY: install model peers demo head lint test test-fast bench bench-plain bench-full scale serve-package serve serve-load clean
 
 install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
@@ -84,6 +84,13 @@ scale: install
 bench: install model peers
 	$(BIN)/qspec bench $(GGUF) --draft-head $(HEAD) --output bench-out
 	$(BIN)/python bench/targets.py bench-out/report.json --markdown bench-out/report.md
+
+# Plain decoding (no drafts): an int4 package compiled with K=0 only runs its one-token calls without the
+# exactness pad (nothing to verify); `none` against the peers' greedy runs, in one interleaved run.
+PLAIN_PACKAGE := packages/smollm2-int4-k0
+bench-plain: install model peers
+	$(BIN)/qspec compile $(GGUF) --num-speculative-tokens 0 --ctx-len 1024 --weight-format int4 --output $(PLAIN_PACKAGE)
+	$(BIN)/qspec bench $(PLAIN_PACKAGE) --k-lists 0 --methods none --no-baselines --output bench-out-plain
 
 bench-full: install model peers
 	$(BIN)/qspec bench $(GGUF) --draft-head $(HEAD) --output bench-out-full --full

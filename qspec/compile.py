@@ -248,6 +248,8 @@ def _runtime_graph(
         progress=progress,
         attention=exported.meta.model.attention,
         positions=config.ctx_len + attention_slack(max(spec.seq_len for spec in exported.specs)),
+        # no drafts, no verify call whose rounding a one-token call must match
+        lone_query=config.num_speculative_tokens == (0,),
     )
     return _Graph(folder, graph)
 

@@ -103,6 +103,8 @@ class ModelEntry(ModelInfo):
 # qspec.backends.ort_attention packs the rows' live tokens (continuous batching) or trims one row's padding.
 PACKED_TOKENS = "live_tokens"
 TRIMMED_ROWS = "trimmed_rows"
+# A package without drafts: a one-token call's attention runs its token alone (no exactness pad).
+LONE_QUERY = "lone_query"
 
 
 class RuntimeGraph(BaseModel):

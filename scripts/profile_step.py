@@ -187,10 +187,12 @@ def paired(a: list[float], b: list[float], how=lambda x, y: x / y) -> float:
 
 
 def no_pad_package(package: Path, work: Path) -> Path:
-    """``package`` with its runtime graph rebuilt from its export with one query token per one-token call.
+    """``package`` with its runtime graph rebuilt from its export with one query token per one-token call (the
+    graph a package without drafts gets, ``lone_query``).
 
-    Not exact (a lone query rounds differently from a verify call's row): only to price the pad."""
-    from qspec.backends import ort_attention, ort_optimize
+    Not exact for a package with drafts (a lone query rounds differently from a verify call's row): only to
+    price the pad."""
+    from qspec.backends import ort_optimize
     from qspec.package import check_package
 
     manifest = check_package(package)
@@ -200,18 +202,14 @@ def no_pad_package(package: Path, work: Path) -> Path:
         if not item.name.startswith("model.ort.onnx"):
             (copy / item.name).symlink_to(item.resolve())
     graph = manifest.runtime_graph
-    saved = ort_attention.MIN_QUERY_TOKENS
-    ort_attention.MIN_QUERY_TOKENS = 1
-    try:
-        ort_optimize.optimize_graph(
-            package / "model.onnx",
-            copy / graph.file,
-            graph.weight_format,
-            attention=manifest.model.attention,
-            rope_positions=graph.rope_positions,
-        )
-    finally:
-        ort_attention.MIN_QUERY_TOKENS = saved
+    ort_optimize.optimize_graph(
+        package / "model.onnx",
+        copy / graph.file,
+        graph.weight_format,
+        attention=manifest.model.attention,
+        rope_positions=graph.rope_positions,
+        lone_query=True,
+    )
     return copy
 
 

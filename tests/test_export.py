@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from qspec import contract
+from qspec.backends import ort_plan
 from qspec.errors import ModelLoadError, QSpecError, UnsupportedModelError
 from qspec.export import ExportOptions, export_model
 from qspec.export.exporter import ONNX_FILE
@@ -26,6 +27,8 @@ TOL = 1e-4
 
 
 GRAPHS = ["vendor", "ort"]  # model.onnx as exported; the ort backend's fused fp32 graph
+# and the ort graph of a package without drafts: a one-token call's attention on its lone token (no pad)
+ROW_GRAPHS = [*GRAPHS, "ort-lone"]
 
 
 def graph_path(folder, meta, graph: str = "vendor"):
@@ -41,7 +44,7 @@ def runtime_graph(folder, meta, graph: str = "vendor"):
 
     positions = 2 * max(CTX, 48)  # ctx_len and slack of every Graph below (SmolLM2's test: ctx 48)
     graph_dir, runtime = cached_runtime_graph(
-        folder, meta.key, "fp32", attention=meta.model.attention, positions=positions
+        folder, meta.key, "fp32", attention=meta.model.attention, positions=positions, lone_query=graph == "ort-lone"
     )
     assert runtime.vendor_data_file == ONNX_FILE + ".data"  # it reads the export's weights: put it beside them
     target = folder / runtime.file
@@ -77,6 +80,8 @@ class Graph:
             feeds[contract.NUM_LOGITS_TO_KEEP] = np.zeros((keep, 1), np.int64)
         if self.bucketed:
             feeds[contract.COMP_CTX_LENGTHS] = np.zeros(ccl, np.int64)
+        inputs = {value.name for value in self.session.get_inputs()}
+        feeds |= ort_plan.feeds(feeds[contract.POSITION_IDS], keep if self.speculative else 1, inputs)
         binding = self.session.io_binding()
         for name, value in feeds.items():
             binding.bind_cpu_input(name, value)
@@ -125,7 +130,7 @@ def exported(tiny_model):
     return make
 
 
-@pytest.mark.parametrize("graph_kind", GRAPHS)
+@pytest.mark.parametrize("graph_kind", ROW_GRAPHS)
 @pytest.mark.parametrize("family,tie", [(f, True) for f in FAMILIES] + [("llama", False), ("qwen2", False)])
 def test_parity_prefill_decode_and_rejected_draft(exported, family, tie, graph_kind):
     """Chunked prefill, 1-token decode and a K+1 decode over stale slots match PyTorch within 1e-4."""
@@ -153,7 +158,7 @@ def test_parity_prefill_decode_and_rejected_draft(exported, family, tie, graph_k
     np.testing.assert_allclose(one[0], reference_logits(model_dir, accepted + [bonus])[10], atol=TOL)
 
 
-@pytest.mark.parametrize("graph_kind", GRAPHS)
+@pytest.mark.parametrize("graph_kind", ROW_GRAPHS)
 @pytest.mark.parametrize("family", ["llama", "mistral"])
 def test_decode_reaches_last_slot(exported, family, graph_kind):
     """Decoding until the token at slot ctx_len - 1 keeps parity (mistral: window smaller than ctx)."""
@@ -166,7 +171,7 @@ def test_decode_reaches_last_slot(exported, family, graph_kind):
     np.testing.assert_allclose(np.stack(outs), ref[12:CTX], atol=TOL)  # last one is slot 15 = ctx_len - 1
 
 
-@pytest.mark.parametrize("graph_kind", GRAPHS)
+@pytest.mark.parametrize("graph_kind", ROW_GRAPHS)
 def test_padding_rows_never_touch_live_slots(exported, graph_kind):
     """A fully padded row and a padded tail change no slot a live token can see, in any row."""
     model_dir, folder, meta = exported("llama")
@@ -186,7 +191,7 @@ def test_padding_rows_never_touch_live_slots(exported, graph_kind):
     np.testing.assert_allclose(out[1, 0], reference_logits(model_dir, b[:5])[4], atol=TOL)
 
 
-@pytest.mark.parametrize("graph_kind", GRAPHS)
+@pytest.mark.parametrize("graph_kind", ROW_GRAPHS)
 def test_padding_at_last_slot_stays_inside_buffer(exported, graph_kind):
     """A live token on slot ctx_len - 1 followed by padding writes nothing out of range or over history."""
     model_dir, folder, meta = exported("llama")

@@ -479,3 +479,26 @@ def test_package_run_with_another_prefill_chunk_size(packages, reference):
         assert calls[3] > calls[8] > calls[16]
     with pytest.raises(ConfigError, match=f"prefill_seq_len 500 > ctx_len {CTX}"):
         CompiledModel(packages["0,4"], prefill_seq_len=500)
+
+
+def test_a_package_without_drafts_runs_a_lone_query_token(model, packages, reference, tmp_path):
+    """Compiled with K=0 only, no verify call's rounding is to be matched: a one-token call's attention runs
+    its token alone (no zero token, no Pad/Slice per layer, as ONNX Runtime GenAI runs it). Its greedy output
+    is transformers', and a K>0 package keeps the pad."""
+    import onnx
+
+    from qspec.package import LONE_QUERY, ORT_ONNX_FILE, read_manifest
+
+    lone = compile_tiny(model, tmp_path / "k0", "0")
+
+    def ops(package) -> list[str]:
+        return [node.op_type for node in onnx.load(str(package / ORT_ONNX_FILE), load_external_data=False).graph.node]
+
+    layers = read_manifest(lone).model.num_layers
+    assert read_manifest(lone).runtime_graph.fusions.get(LONE_QUERY) == 1
+    assert LONE_QUERY not in read_manifest(packages["0,4"]).runtime_graph.fusions
+    assert ops(packages["0,4"]).count("Pad") - ops(lone).count("Pad") == layers  # one per layer: the pad
+    assert ops(packages["0,4"]).count("Slice") - ops(lone).count("Slice") == layers
+    plain, _ = run(lone, PROMPTS, method="none")
+    for prompt, tokens in zip(PROMPTS, plain):
+        assert tokens == reference(prompt, 20)

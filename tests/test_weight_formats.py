@@ -8,6 +8,7 @@ import numpy as np
 import onnx
 import pytest
 
+from qspec.backends import ort_plan
 from qspec.compile import CompileOptions, compile_package
 from qspec.errors import ConfigError
 from qspec.package import ONNX_FILE, ORT_ONNX_FILE, read_manifest
@@ -114,7 +115,12 @@ def test_fp32_runtime_graph_is_fused_and_keeps_the_contract(packages):
             for v in list(proto.input) + list(proto.output)
         ]
 
-    assert io(package / ORT_ONNX_FILE) == io(package / ONNX_FILE)
+    # the contract's inputs and outputs, and the call plan the host computes (qspec.backends.ort_plan)
+    runtime, vendor = io(package / ORT_ONNX_FILE), io(package / ONNX_FILE)
+    plan = [(name, dims) for name, dims in runtime if name.startswith("plan_")]
+    assert [entry for entry in runtime if entry not in plan] == vendor
+    assert [name for name, _ in plan] == ort_plan.plan_names({name for name, _ in plan}) and plan
+    assert ort_plan.QUERY_PADS in dict(plan)  # a package with drafts pads a one-token call's attention
 
 
 @pytest.mark.parametrize("fmt", ("fp32", *FORMATS))
@@ -136,7 +142,7 @@ def test_runtime_graph_attends_with_one_group_query_attention_per_layer(packages
     # MatMuls over live tokens only: packed with several KV rows, rows trimmed without (no node per layer moves them)
     assert read_manifest(packages[fmt]["cb"]).runtime_graph.fusions["live_tokens"] == 1 and "NonZero" in cb
     assert graph.fusions.get("trimmed_rows") == 1 and "live_tokens" not in graph.fusions
-    assert "NonZero" not in plain and "ScatterND" not in plain and "GatherND" not in plain
+    assert "NonZero" not in plain and "ScatterND" not in plain and plain.count("GatherND") == 1  # the LM head's pick
     for name in ("0,4", "cb"):  # the vendor graph's KV functions (CtxScatter/CtxGather) went with its attention
         proto = onnx.load(str(packages[fmt][name] / ORT_ONNX_FILE), load_external_data=False)
         assert not proto.functions and {o.domain for o in proto.opset_import} <= {"", "ai.onnx", "com.microsoft"}

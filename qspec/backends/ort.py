@@ -22,6 +22,7 @@ import numpy as np
 import onnxruntime as ort
 
 from qspec import contract
+from qspec.backends import ort_plan
 from qspec.errors import CompileError
 from qspec.specializations import Specialization
 
@@ -93,12 +94,12 @@ def zero_feeds(session: ort.InferenceSession, spec: Specialization) -> dict[str,
     """Inputs of the specialization's shapes: token 0, positions 0.., rows on their own slots."""
     feeds = {}
     for value in session.get_inputs():
-        dtype = np.int64 if value.type == "tensor(int64)" else np.float32
+        dtype = {"tensor(int64)": np.int64, "tensor(int32)": np.int32}.get(value.type, np.float32)
         feeds[value.name] = np.zeros(value.shape, dtype=dtype)
     feeds[contract.POSITION_IDS] = np.tile(np.arange(spec.seq_len, dtype=np.int64), (spec.batch_size, 1))
     if contract.BATCH_INDEX in feeds:
         feeds[contract.BATCH_INDEX] = np.arange(spec.batch_size, dtype=np.int64)[:, None]
-    return feeds
+    return feeds | ort_plan.feeds(feeds[contract.POSITION_IDS], spec.num_logits_to_keep or 1, feeds)
 
 
 def smoke_run(session: ort.InferenceSession, spec: Specialization, vocab_size: int) -> None:

@@ -57,7 +57,7 @@ import contextlib
 import numpy as np
 
 from qspec import contract
-from qspec.backends import ort_tokens
+from qspec.backends import ort_plan, ort_tokens
 from qspec.backends.ort_tokens import builder, initializer
 from qspec.package import MIN_QUERY_TOKENS, AttentionInfo
 
@@ -82,6 +82,7 @@ def fuse_attention(
     pack_qkv: bool = False,
     pack_tokens: bool = False,
     trim_rows: bool = False,
+    lone_query: bool = False,
     layer_prefix: str = LAYER_PREFIX,
 ) -> int:
     """Replace every layer's attention of an ``onnx_ir`` model with ``GroupQueryAttention``; returns how many.
@@ -95,6 +96,9 @@ def fuse_attention(
     :func:`pack_live_tokens`). ``trim_rows`` (a graph without ``batch_index``): every node but
     attention runs on each row's first live tokens, as many as the call's longest row has (see
     :func:`trim_rows`).
+    ``lone_query`` (with ``trim_rows``): a one-token call's attention runs its token alone, without the
+    exactness pad (no ``Pad``/``Slice`` per layer): for a package without drafts, where no verify call's
+    rounding must be matched (ONNX Runtime's kernel rounds a lone query differently, see the module doc).
     ``layer_prefix``: where layer ``{i}``'s projections are (a draft head's graph holds its layer under
     another module path than the target's ``model.layers.{i}.self_attn.``).
     """
@@ -106,7 +110,12 @@ def fuse_attention(
     by_index = contract.BATCH_INDEX in inputs
     if trim_rows and (by_index or pack_tokens):
         raise ValueError("trim_rows is for a graph without batch_index, and not with pack_tokens")
-    shared = _shared_inputs(graph, inputs, attention, rope_positions, packed=pack_tokens, trimmed=trim_rows)
+    if lone_query and not trim_rows:
+        raise ValueError("lone_query is for a graph with trim_rows")
+    shared = _shared_inputs(
+        graph, inputs, attention, rope_positions, packed=pack_tokens, trimmed=trim_rows, lone_query=lone_query
+    )
+    padded = not lone_query
     outputs = {value.name: (i, value) for i, value in enumerate(graph.outputs)}
     nodes = []
     for i in range(attention.num_layers):
@@ -135,7 +144,7 @@ def fuse_attention(
                 else None
                 for x, n, name in zip((q, k, v), heads, "qkv")
             )
-        if not pack_tokens:
+        if not pack_tokens and padded:
             q, k, v = (
                 _padded(nodes, x, shared, f"layers.{i}.{name}") if x is not None else None
                 for x, name in zip((q, k, v), "qkv")
@@ -181,14 +190,13 @@ def fuse_attention(
             o_proj.replace_input_with(0, back.outputs[0])
             _retain(graph, outputs, (past_key, gqa.outputs[1]), (past_value, gqa.outputs[2]))
             continue
-        # the call's own tokens: drop the op's padding token (see MIN_QUERY_TOKENS)
-        sliced = ir.node(
-            "Slice",
-            [gqa.outputs[0], shared["zero_1d"], shared["seq_1d"], shared["axis1"]],
-            name=f"layers.{i}.own_tokens",
-        )
-        nodes.append(sliced)
-        attended = sliced.outputs[0]
+        attended = gqa.outputs[0]
+        if padded:  # the call's own tokens: drop the op's padding token (see MIN_QUERY_TOKENS)
+            sliced = ir.node(
+                "Slice", [attended, shared["zero_1d"], shared["seq_1d"], shared["axis1"]], name=f"layers.{i}.own_tokens"
+            )
+            nodes.append(sliced)
+            attended = sliced.outputs[0]
         if by_index:  # back from KV rows to the call's rows
             back = ir.node("Gather", [attended, shared["call_rows"]], attributes={"axis": 0}, name=f"layers.{i}.rows")
             nodes.append(back)
@@ -336,19 +344,43 @@ def _head_norm(graph, nodes: list, x, module: str, attention: AttentionInfo, num
 
 
 def _shared_inputs(
-    graph, inputs, attention: AttentionInfo, rope_positions: int, *, packed: bool = False, trimmed: bool = False
+    graph,
+    inputs,
+    attention: AttentionInfo,
+    rope_positions: int,
+    *,
+    packed: bool = False,
+    trimmed: bool = False,
+    lone_query: bool = False,
 ) -> dict[str, object]:
     """What every layer's attention reads, computed once from ``position_ids`` (a dozen nodes).
 
     ``packed``: also where each live token of the call goes (``live_tokens``: its call row and slot,
     ``kv_slots``: its KV row and slot, both ``[1, live, 2]``), and zeros ``[kv_rows, query, width]``.
-    ``trimmed``: ``seq`` is the call's most live tokens in a row (at least one), not ``seq_len``, and
-    ``query`` at least ``MIN_QUERY_TOKENS`` of them (see :func:`trim_rows`).
+    ``trimmed``: no nodes: the host computes them (:mod:`qspec.backends.ort_plan`'s inputs, ``plan``);
+    ``seq`` is the call's most live tokens in a row (at least one), not ``seq_len``, and ``query`` at
+    least ``MIN_QUERY_TOKENS`` of them (see :func:`trim_rows`).
     """
     import onnx_ir as ir
 
     nodes = []
     op, constant = builder(graph, nodes, "attn")
+    cos, sin = rope_tables(attention, rope_positions)
+    if trimmed:
+        hidden = contract.HIDDEN_STATES in {v.name for v in graph.outputs}
+        plan = ort_plan.add_inputs(graph, hidden_states=hidden, query_pads=not lone_query)
+        return {
+            "plan": plan,
+            "query_pads": plan.get(ort_plan.QUERY_PADS),
+            "zero_1d": constant("zero_1d", np.array([0], np.int64)),
+            "seq_1d": plan[ort_plan.SEQ],
+            "axis1": constant("axis1", np.array([1], np.int64)),
+            "seqlens_k": plan[ort_plan.SEQLENS_K],
+            "query_seqlens": plan[ort_plan.QUERY_SEQLENS],
+            "total_sequence_length": plan[ort_plan.TOTAL_SEQUENCE_LENGTH],
+            "cos_cache": constant("cos_cache", cos),
+            "sin_cache": constant("sin_cache", sin),
+        }
     positions = inputs[contract.POSITION_IDS]
     zero, one = constant("zero", np.array(0, np.int64)), constant("one", np.array(1, np.int64))
     axis0 = constant("axis0", np.array([0], np.int64))
@@ -396,9 +428,6 @@ def _shared_inputs(
         }
     row_valid = op("GreaterOrEqual", positions, zero)  # [rows, seq]: the op's rows (KV rows with batch_index)
     count = op("ReduceSum", op("Cast", row_valid, to=ir.DataType.INT64), axis1, keepdims=0)
-    if trimmed:  # every row cut to the call's most live tokens in a row
-        seq = op("Max", op("ReduceMax", count, keepdims=0), one)  # an idle call runs one padding token
-        query = op("Max", seq, min_query)
     last = op("ReduceMax", positions, axis1, keepdims=0)  # [rows]: -1 for an idle row
     live_row = op("Greater", count, zero)
     pad_end = op("Unsqueeze", op("Sub", query, seq), axis0)
@@ -411,9 +440,7 @@ def _shared_inputs(
     seqlens_k = op("Where", live_row, op("Sub", op("Add", last, row_query), count), zero)
     query_seqlens = op("Where", live_row, row_query, zero)
     total = op("Max", op("Add", op("ReduceMax", seqlens_k, keepdims=0), one), query)  # >= every T and query
-    cos, sin = rope_tables(attention, rope_positions)
     shared = {
-        "count": count,
         "query_pads": pads,
         "zero_1d": zero_1d,
         "seq_1d": op("Unsqueeze", seq, axis0),

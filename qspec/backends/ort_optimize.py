@@ -44,7 +44,15 @@ from pathlib import Path
 from qspec import contract
 from qspec.common import build_directory
 from qspec.onnx_files import load_model, save_model
-from qspec.package import ORT_ONNX_FILE, PACKED_TOKENS, TRIMMED_ROWS, AttentionInfo, RuntimeGraph, WeightFormat
+from qspec.package import (
+    LONE_QUERY,
+    ORT_ONNX_FILE,
+    PACKED_TOKENS,
+    TRIMMED_ROWS,
+    AttentionInfo,
+    RuntimeGraph,
+    WeightFormat,
+)
 
 Progress = Callable[[str], None]
 
@@ -59,7 +67,7 @@ ACCURACY_LEVEL = INT8_ACTIVATIONS
 # kernels skip the zero-point correction, faster than asymmetric blocks at the same agreement with fp32.
 SYMMETRIC = True
 # Bump when the recipe below changes: cached runtime graphs are keyed by it.
-RECIPE_VERSION = 26
+RECIPE_VERSION = 27
 GRAPH_META = "graph.json"
 # Initializers below this size stay inside the .onnx file.
 EXTERNAL_MIN_BYTES = 1024
@@ -89,6 +97,25 @@ def fuse(model) -> dict[str, int]:
     for value in (*model.graph.inputs, *model.graph.outputs):  # shape inference may rename symbolic dims
         value.shape = contract_shapes[value.name]
     return counts
+
+
+NORMALIZATIONS = ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization")
+
+
+def omit_unused_statistics(model) -> int:
+    """Leave out the normalization nodes' optional outputs no node reads (mean, inverse std): named, ONNX
+    Runtime allocates and writes them on every call (measured: 1-3 % of an int4 SmolLM2 one-token call, 60
+    nodes). Returns how many were left out. Just before the model is written: a later pass may name them again."""
+    outputs = set(model.graph.outputs)
+    omitted = 0
+    for node in model.graph.all_nodes():
+        if node.op_type not in NORMALIZATIONS:
+            continue
+        for value in node.outputs[1:]:
+            if value.name != "" and not value.uses() and value not in outputs:
+                value.name = ""  # an omitted optional output
+                omitted += 1
+    return omitted
 
 
 def drop_unused_functions(model) -> None:
@@ -315,12 +342,15 @@ def optimize_graph(
     progress: Progress | None = None,
     attention: AttentionInfo | None = None,
     rope_positions: int = 0,
+    lone_query: bool = False,
 ) -> RuntimeGraph:
     """Write the embedded backend's graph of ``source`` (the contract graph) to ``target``.
 
     ``attention``: the export's :class:`AttentionInfo`; with it, attention becomes ONNX Runtime's
     ``GroupQueryAttention`` (:mod:`qspec.backends.ort_attention`) with a RoPE table of
-    ``rope_positions`` rows; without it, attention stays as exported.
+    ``rope_positions`` rows; without it, attention stays as exported. ``lone_query``: a graph for a package
+    without drafts runs a one-token call's attention on its token alone (no exactness pad; not with
+    several KV rows, whose calls may carry a prompt chunk beside a decode row).
     """
     from qspec.backends.ort_attention import fuse_attention
 
@@ -337,10 +367,13 @@ def optimize_graph(
         # row is cut to the call's most live tokens in a row before the embedding (attention still pads
         # a one-token call, see ort_attention).
         pack = contract.BATCH_INDEX in {value.name for value in model.graph.inputs}
+        lone = lone_query and not pack
         fusions["group_query_attention"] = fuse_attention(
-            model, attention, rope_positions, pack_qkv=True, pack_tokens=pack, trim_rows=not pack
+            model, attention, rope_positions, pack_qkv=True, pack_tokens=pack, trim_rows=not pack, lone_query=lone
         )
         fusions[PACKED_TOKENS if pack else TRIMMED_ROWS] = 1
+        if lone:
+            fusions[LONE_QUERY] = 1
         drop_unused_functions(model)  # the KV's CtxScatter/CtxGather: attention no longer calls them
     quantized = 0
     own_data, vendor_data = target.with_name(target.name + ".data"), source.name + ".data"
@@ -360,6 +393,7 @@ def optimize_graph(
             progress=say,
         )
     data_files = _data_files(model)
+    omit_unused_statistics(model)
     save_model(model, target)
     return RuntimeGraph(
         file=target.name,
@@ -407,6 +441,7 @@ def cached_runtime_graph(
     progress: Progress | None = None,
     attention: AttentionInfo | None = None,
     positions: int = 0,
+    lone_query: bool = False,
 ) -> tuple[Path, RuntimeGraph]:
     """The runtime graph of an export (folder holding ``model.ort.onnx`` and its ``.data``), built once.
 
@@ -419,7 +454,7 @@ def cached_runtime_graph(
 
     settings = (
         f"{export_key}|{weight_format}|{BLOCK_SIZE}|{ACCURACY_LEVEL}|{SYMMETRIC}|{rope_positions}|{RECIPE_VERSION}|"
-        f"{_versions()}"
+        f"{_versions()}|{'lone' if lone_query else 'padded'}"
     )
     key = hashlib.sha256(settings.encode()).hexdigest()[:24]
     final = cache_root() / "ort-graphs" / key
@@ -434,6 +469,7 @@ def cached_runtime_graph(
             progress=progress,
             attention=attention,
             rope_positions=rope_positions,
+            lone_query=lone_query,
         )
         (folder / GRAPH_META).write_text(graph.model_dump_json(indent=2) + "\n")
         return graph

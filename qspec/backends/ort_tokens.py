@@ -118,39 +118,31 @@ def trim_rows(graph, inputs, shared: dict) -> None:
     Rows are right-padded (the contract's epilogue reads them so): a row's live tokens are its first
     slots. The embedding reads ``input_ids`` cut to ``seq`` columns; attention pads its q, k, v to
     ``query`` tokens and slices its output back, as a one-slot graph always did (see the module doc).
-    A K=4 call whose row drafts 2 tokens runs 3 tokens through the MatMuls, not 5. The epilogue's pick
-    of the last ``num_logits_to_keep`` live tokens of each row is recomputed on the trimmed rows (the
-    exported one counts slots up to the hidden states' length, now ``seq``), and the final norm and
-    LM head run on the last ``min(keep, seq)`` picks, the logits padded back to ``keep`` in front.
+    A K=4 call whose row drafts 2 tokens runs 3 tokens through the MatMuls, not 5. The epilogue picks
+    the hidden states of the last ``num_logits_to_keep`` live tokens of each row on the trimmed rows
+    (the exported pick counts slots up to the hidden states' length, now ``seq``), and the final norm
+    and LM head run on the last ``min(keep, seq)`` picks, the logits padded back to ``keep`` in front.
+    Every index comes from the host's call plan (``shared["plan"]``, :mod:`qspec.backends.ort_plan`).
     """
+    from qspec.backends import ort_plan
+
     ids = inputs[contract.INPUT_IDS]
     embed, (index, logits), pick = token_ends(graph, ids, "trimming rows")
+    plan = shared["plan"]
     nodes = []
     op, constant = builder(graph, nodes, "rows")
 
-    zero, one = constant("zero", np.array(0, np.int64)), constant("one", np.array(1, np.int64))
-    axis0, axis1 = constant("axis0", np.array([0], np.int64)), constant("axis1", np.array([1], np.int64))
-    axis2 = constant("axis2", np.array([2], np.int64))
+    axis1 = constant("axis1", np.array([1], np.int64))
     embed.replace_input_with(1, op("Slice", ids, shared["zero_1d"], shared["seq_1d"], axis1))
-    keeps = inputs.get(contract.NUM_LOGITS_TO_KEEP)
-    keep = op("Gather", op("Shape", keeps), zero) if keeps is not None else one
-    last = op("Max", op("Sub", shared["count"], one), zero)  # [rows]: each row's last live slot (0 when idle)
-    first_kept = op("Sub", last, op("Sub", keep, one))
-    slots = op("Max", op("Add", op("Unsqueeze", first_kept, axis1), op("Range", zero, keep, one)), zero)  # [rows, keep]
-    hidden = pick.inputs[0]
-    shape = op("Concat", op("Shape", slots), op("Shape", hidden, start=2), axis=0)
-    pick.replace_input_with(1, op("Expand", op("Unsqueeze", slots, axis2), shape))
+    # [rows, keep, hidden]: each row's kept slots (GatherND over the rows: the exported GatherElements
+    # wanted its indices expanded to the hidden width)
+    gathered = op("GatherND", pick.inputs[0], plan[ort_plan.KEPT_SLOTS], batch_dims=1)
     # The final norm and LM head run on the last min(keep, most live tokens in a row) picks; the
     # logits entries before them are zeros (as a packed graph's: no caller reads them).
-    uses = list(pick.outputs[0].uses())
-    kept = op("Min", keep, op("ReduceMax", shared["count"], keepdims=0))
-    skipped = op("Unsqueeze", op("Sub", keep, kept), axis0)
-    picked = op("Slice", pick.outputs[0], skipped, op("Unsqueeze", keep, axis0), axis1)  # [rows, kept, hidden]
-    for node, i in uses:
-        node.replace_input_with(i, picked)
-    zeros_2 = constant("zeros_2", np.zeros(2, np.int64))
-    pads = op("Concat", shared["zero_1d"], skipped, zeros_2, zeros_2, axis=0)
-    out = op("Pad", logits, pads)  # [rows, keep, vocab]
+    end = constant("end", np.array([np.iinfo(np.int64).max], np.int64))
+    picked = op("Slice", gathered, plan[ort_plan.SKIPPED], end, axis1)  # [rows, kept, hidden]
+    pick.outputs[0].replace_all_uses_with(picked)
+    out = op("Pad", logits, plan[ort_plan.LOGITS_PADS])  # [rows, keep, vocab]
     out.shape, out.type = logits.shape, logits.type
     logits.name = "rows.live_logits"
     out.name = contract.LOGITS
@@ -167,21 +159,19 @@ def restore_hidden_states(graph, inputs, shared: dict, *, packed: bool) -> None:
     index, hidden = next((i, v) for i, v in enumerate(graph.outputs) if v.name == contract.HIDDEN_STATES)
     nodes = []
     op, constant = builder(graph, nodes, "hidden")
-    one = constant("one", np.array(1, np.int64))
-    axis0 = constant("axis0", np.array([0], np.int64))
-    call_shape = op("Shape", inputs[contract.POSITION_IDS])  # [batch, seq]
     if packed:
+        axis0 = constant("axis0", np.array([0], np.int64))
+        call_shape = op("Shape", inputs[contract.POSITION_IDS])  # [batch, seq]
         shape = op("Concat", call_shape, op("Shape", hidden, start=2), axis=0)
         zeros = op("Expand", constant("zero_float", np.zeros(1, np.float32)), shape)
         axis1 = constant("axis1", np.array([1], np.int64))
         rows, slots = (op("Unsqueeze", shared[name], axis1) for name in ("live_rows", "live_slots"))
         targets = op("Concat", rows, slots, axis=1)  # [live, 2]: row, slot
         out = op("ScatterND", zeros, op("Unsqueeze", targets, axis0), hidden)
-    else:
-        missing = op("Sub", op("Gather", call_shape, one), op("Gather", op("Shape", hidden), one))
-        zeros = constant("zeros_4", np.zeros(4, np.int64))
-        pads = op("Concat", zeros, op("Unsqueeze", missing, axis0), constant("zero_1d", np.zeros(1, np.int64)), axis=0)
-        out = op("Pad", hidden, pads)  # [rows, seq, hidden] padded at the end of axis 1
+    else:  # [rows, seq, hidden] padded at the end of axis 1 (the host's call plan has the pads)
+        from qspec.backends import ort_plan
+
+        out = op("Pad", hidden, shared["plan"][ort_plan.HIDDEN_PADS])
     out.shape, out.type = ir.Shape(list(hidden.shape)), hidden.type  # a copy: inference may reshape `hidden`
     hidden.name = "hidden.live_hidden_states"
     out.name = contract.HIDDEN_STATES

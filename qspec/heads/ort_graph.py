@@ -54,11 +54,13 @@ def fuse_eagle(model, attention, *, rope_positions: int) -> dict[str, int]:
 def write_runtime_graph(model, path: Path, *, weight_format: str) -> int:
     """Quantize ``model`` (int8/int4), store its large float weights as float16 and write it to ``path``;
     returns how many MatMuls were quantized. ``model`` is changed: pass a copy (:func:`copy_model`)."""
+    from qspec.backends.ort_optimize import omit_unused_statistics
     from qspec.heads import export
 
     quantized = 0
     if weight_format in BITS:
         model, quantized = export.quantize_copy(model, BITS[weight_format])
     export.store_float16(model)
+    omit_unused_statistics(model)
     export.save(model, path)
     return quantized

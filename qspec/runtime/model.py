@@ -33,6 +33,7 @@ import onnxruntime as ort
 
 from qspec import contract
 from qspec.backends import ort as ort_backend
+from qspec.backends.ort_plan import CallPlan, plan_names
 from qspec.errors import PackageError
 from qspec.package import ONNX_FILE, runtime_graph_file
 from qspec.runtime.session import Binding, LoadedModel, SessionMode, host_arrays
@@ -46,6 +47,7 @@ class OrtBinding(Binding):
     session: ort.InferenceSession | None = None
     binding: ort.IOBinding | None = None
     keep: list = field(default_factory=list)  # OrtValues that must outlive the binding
+    plan: CallPlan | None = None  # a trimmed graph's per-call inputs, written from position_ids before each call
 
 
 class CompiledModel(LoadedModel):
@@ -144,10 +146,18 @@ class CompiledModel(LoadedModel):
             keep_n = arrays["logits"].shape[1]
             values.append(ort.OrtValue.ortvalue_from_numpy(np.zeros((keep_n, 1), dtype=np.int64)))
             binding.bind_ortvalue_input(contract.NUM_LOGITS_TO_KEEP, values[-1])
+        plan = None
+        names = plan_names({value.name for value in session.get_inputs()})
+        if names:
+            rows, seq = arrays["input_ids"].shape
+            plan = CallPlan(rows, seq, arrays["logits"].shape[1], names)
+            for name, array in plan.arrays.items():
+                values.append(ort.OrtValue.ortvalue_from_numpy(array))
+                binding.bind_ortvalue_input(name, values[-1])
         for name, value in zip(self.kv_names, self.kv):
             binding.bind_ortvalue_input(name, value)
             binding.bind_ortvalue_output(contract.retained(name), value)
-        return OrtBinding(spec, **arrays, session=session, binding=binding, keep=values)
+        return OrtBinding(spec, **arrays, session=session, binding=binding, keep=values, plan=plan)
 
     def mixed_for(self, k: int, width: int, end: int) -> OrtBinding:
         if not self.mixes_prefill:
@@ -159,5 +169,7 @@ class CompiledModel(LoadedModel):
 
     def run(self, bound: OrtBinding) -> np.ndarray:
         """One call with the inputs written into ``bound``'s arrays; returns its logits array."""
+        if bound.plan is not None:
+            bound.plan.write(bound.position_ids)
         bound.session.run_with_iobinding(bound.binding)
         return bound.logits

@@ -1,0 +1,147 @@
+"""A trimmed runtime graph's call plan: the small per-call inputs the host computes from ``position_ids``.
+
+A graph without ``batch_index`` (:func:`qspec.backends.ort_tokens.trim_rows`) needs, besides the
+contract's inputs, a handful of integers that follow from the call's positions: what each row's
+``GroupQueryAttention`` reads (``seqlens_k``, ``query_seqlens``, ``total_sequence_length``), how many tokens
+the rows are cut to, how far attention pads them, which hidden states the LM head reads and how the
+outputs are padded back. Computed in the graph they cost ≈ 50 small nodes a call (3-5 % of an int4
+one-token call of SmolLM2, each node a kernel launch and the executor's bookkeeping); the host computes
+them from the ``position_ids`` it has just written, in microseconds, and binds them as inputs.
+
+The graph side (:func:`add_inputs`) declares the inputs; the host side (:class:`CallPlan`) holds a
+binding's arrays and rewrites them in place before each call (:meth:`CallPlan.write`). The arithmetic
+is the contract's (``docs/how-it-works.md``): a row's live tokens are its first slots, at consecutive
+positions ``p .. p + n - 1``; an idle row has none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import numpy as np
+
+from qspec import contract
+from qspec.package import MIN_QUERY_TOKENS
+
+SEQLENS_K = "plan_seqlens_k"  # int32 [batch_size]: GroupQueryAttention's seqlens_k of each row
+QUERY_SEQLENS = "plan_query_seqlens"  # int32 [batch_size]: its query tokens of each row (0: idle)
+TOTAL_SEQUENCE_LENGTH = "plan_total_sequence_length"  # int32 []: the longest row's slots, at least the query
+SEQ = "plan_seq"  # int64 [1]: the call's most live tokens in a row, at least one (rows are cut to it)
+QUERY_PADS = "plan_query_pads"  # int64 [6]: Pad of q/k/v [rows, seq, width] to the op's query tokens
+KEPT_SLOTS = "plan_kept_slots"  # int64 [batch_size, keep, 1]: each row's slots whose logits are kept
+SKIPPED = "plan_skipped"  # int64 [1]: leading kept entries no row fills (the LM head skips them)
+LOGITS_PADS = "plan_logits_pads"  # int64 [6]: Pad of the LM head's [rows, keep - skipped, vocab] to keep
+HIDDEN_PADS = "plan_hidden_pads"  # int64 [6]: Pad of the hidden states [rows, seq, hidden] to seq_len
+
+NAMES = (
+    SEQLENS_K,
+    QUERY_SEQLENS,
+    TOTAL_SEQUENCE_LENGTH,
+    SEQ,
+    QUERY_PADS,
+    KEPT_SLOTS,
+    SKIPPED,
+    LOGITS_PADS,
+    HIDDEN_PADS,
+)
+
+
+def add_inputs(graph, *, hidden_states: bool, query_pads: bool = True) -> dict[str, object]:
+    """Declare the plan's inputs on an ``onnx_ir`` graph; ``{name: value}`` (no hidden pads without that output,
+    no query pads for a graph whose attention runs a lone query)."""
+    import onnx_ir as ir
+
+    keep = contract.NUM_LOGITS_TO_KEEP if contract.NUM_LOGITS_TO_KEEP in {v.name for v in graph.inputs} else 1
+    shapes = {
+        SEQLENS_K: (ir.DataType.INT32, [contract.BATCH_SIZE]),
+        QUERY_SEQLENS: (ir.DataType.INT32, [contract.BATCH_SIZE]),
+        TOTAL_SEQUENCE_LENGTH: (ir.DataType.INT32, []),
+        SEQ: (ir.DataType.INT64, [1]),
+        QUERY_PADS: (ir.DataType.INT64, [6]),
+        KEPT_SLOTS: (ir.DataType.INT64, [contract.BATCH_SIZE, keep, 1]),
+        SKIPPED: (ir.DataType.INT64, [1]),
+        LOGITS_PADS: (ir.DataType.INT64, [6]),
+    }
+    if hidden_states:
+        shapes[HIDDEN_PADS] = (ir.DataType.INT64, [6])
+    if not query_pads:
+        del shapes[QUERY_PADS]
+    values = {}
+    for name, (dtype, dims) in shapes.items():
+        value = ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape(dims))
+        graph.inputs.append(value)
+        values[name] = value
+    return values
+
+
+class CallPlan:
+    """A binding's plan arrays (rows, ``seq_len``, ``keep`` fixed), rewritten in place by :meth:`write`.
+
+    ``names``: the plan inputs the graph has (a graph without the ``hidden_states`` output has no hidden pads).
+    A graph without query pads runs a lone query token (``min_query`` 1); the others pad a one-token row to
+    ``MIN_QUERY_TOKENS``.
+    """
+
+    def __init__(self, rows: int, seq_len: int, keep: int, names: Collection[str]):
+        self.seq_len, self.keep = seq_len, keep
+        self.min_query = MIN_QUERY_TOKENS if QUERY_PADS in names else 1
+        arrays = {
+            SEQLENS_K: np.zeros(rows, np.int32),
+            QUERY_SEQLENS: np.zeros(rows, np.int32),
+            TOTAL_SEQUENCE_LENGTH: np.zeros((), np.int32),
+            SEQ: np.zeros(1, np.int64),
+            QUERY_PADS: np.zeros(6, np.int64),
+            KEPT_SLOTS: np.zeros((rows, keep, 1), np.int64),
+            SKIPPED: np.zeros(1, np.int64),
+            LOGITS_PADS: np.zeros(6, np.int64),
+            HIDDEN_PADS: np.zeros(6, np.int64),
+        }
+        self.arrays = {name: array for name, array in arrays.items() if name in names}
+        self._steps = list(range(1 - keep, 1))  # slot offsets from a row's last
+
+    def write(self, positions: np.ndarray) -> None:
+        """The plan of a call with ``positions`` ``[rows, seq_len]`` (right-padded rows), into the arrays.
+
+        Plain Python over the rows (a handful): a few microseconds, where numpy's per-call overhead
+        would cost more than the arithmetic."""
+        a = self.arrays
+        seqlens_k, query_seqlens, slots = a[SEQLENS_K], a[QUERY_SEQLENS], a[KEPT_SLOTS]
+        most, total = 0, 0
+        for row, live in enumerate(positions.tolist()):
+            count = sum(1 for position in live if position >= 0)
+            most = max(most, count)
+            # A live row runs its live tokens, at least min_query, from its first position p:
+            # seqlens_k = p + row_query - 1 = last - count + row_query.
+            row_query = max(count, self.min_query) if count else 0
+            seqlens_k[row] = max(live) - count + row_query if count else 0
+            query_seqlens[row] = row_query
+            total = max(total, int(seqlens_k[row]) + 1)
+            # The last `keep` slots up to the row's last live one (slot 0 repeated before the first).
+            last = max(count - 1, 0)
+            slots[row, :, 0] = [max(last + step, 0) for step in self._steps]
+        seq = max(most, 1)  # an idle call runs one padding token
+        query = max(seq, self.min_query)
+        a[TOTAL_SEQUENCE_LENGTH][...] = max(total, query)
+        a[SEQ][0] = seq
+        if QUERY_PADS in a:
+            a[QUERY_PADS][4] = query - seq
+        skipped = self.keep - min(self.keep, most)
+        a[SKIPPED][0] = skipped
+        a[LOGITS_PADS][1] = skipped
+        if HIDDEN_PADS in a:
+            a[HIDDEN_PADS][4] = self.seq_len - seq
+
+
+def plan_names(input_names: Collection[str]) -> list[str]:
+    """The plan inputs among a graph's inputs (none: the graph computes its plan, or has no such inputs)."""
+    return [name for name in NAMES if name in input_names]
+
+
+def feeds(positions: np.ndarray, keep: int, input_names: Collection[str]) -> dict[str, np.ndarray]:
+    """The plan inputs for a call with ``positions``, for a caller that feeds a session by name."""
+    names = plan_names(input_names)
+    if not names:
+        return {}
+    plan = CallPlan(positions.shape[0], positions.shape[1], keep, names)
+    plan.write(np.asarray(positions, dtype=np.int64))
+    return plan.arrays

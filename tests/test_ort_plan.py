@@ -1,0 +1,62 @@
+"""The call plan a trimmed runtime graph reads (qspec.backends.ort_plan): the host's arithmetic, case by case."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from qspec.backends import ort_plan
+from qspec.backends.ort_plan import CallPlan
+
+PADDED = list(ort_plan.NAMES)  # a package with drafts, the hidden_states output
+LONE = [name for name in PADDED if name != ort_plan.QUERY_PADS]  # a package without drafts
+
+
+def test_rows_of_a_verify_call():
+    """A row of three live tokens, an idle row and a row of one: attention's chunks, the kept slots, the pads."""
+    plan = CallPlan(rows=3, seq_len=5, keep=5, names=PADDED)
+    plan.write(np.array([[10, 11, 12, -1, -1], [-1] * 5, [7, -1, -1, -1, -1]], np.int64))
+    a = plan.arrays
+    # row 0: 3 tokens from 10, ends at slot 12; row 2: its token and a zero token from 7 (seqlens_k = 8)
+    assert a[ort_plan.SEQLENS_K].tolist() == [12, 0, 8]
+    assert a[ort_plan.QUERY_SEQLENS].tolist() == [3, 0, 2]
+    assert int(a[ort_plan.TOTAL_SEQUENCE_LENGTH]) == 13
+    assert a[ort_plan.SEQ].tolist() == [3] and a[ort_plan.QUERY_PADS].tolist() == [0] * 6  # rows cut to 3
+    # the last 5 slots up to each row's last live one, slot 0 repeated in front
+    assert a[ort_plan.KEPT_SLOTS][:, :, 0].tolist() == [[0, 0, 0, 1, 2], [0] * 5, [0] * 5]
+    assert a[ort_plan.SKIPPED].tolist() == [2]  # no row has more than 3 tokens: 2 of 5 kept entries are empty
+    assert a[ort_plan.LOGITS_PADS].tolist() == [0, 2, 0, 0, 0, 0]
+    assert a[ort_plan.HIDDEN_PADS].tolist() == [0, 0, 0, 0, 2, 0]  # hidden states back to seq_len 5
+
+
+def test_one_token_call_padded_or_alone():
+    """With drafts a lone token runs with a zero token after it (2 query tokens); without, alone."""
+    positions = np.array([[41]], np.int64)
+    padded, lone = CallPlan(1, 1, 1, PADDED), CallPlan(1, 1, 1, LONE)
+    padded.write(positions)
+    lone.write(positions)
+    assert padded.arrays[ort_plan.QUERY_SEQLENS].tolist() == [2] and padded.arrays[ort_plan.SEQLENS_K].tolist() == [42]
+    assert int(padded.arrays[ort_plan.TOTAL_SEQUENCE_LENGTH]) == 43
+    assert padded.arrays[ort_plan.QUERY_PADS].tolist() == [0, 0, 0, 0, 1, 0]
+    assert lone.arrays[ort_plan.QUERY_SEQLENS].tolist() == [1] and lone.arrays[ort_plan.SEQLENS_K].tolist() == [41]
+    assert int(lone.arrays[ort_plan.TOTAL_SEQUENCE_LENGTH]) == 42 and ort_plan.QUERY_PADS not in lone.arrays
+
+
+def test_an_idle_call_and_rewriting_in_place():
+    """Every row idle: one padding token runs, nothing kept; the arrays are the same objects after each write."""
+    plan = CallPlan(rows=2, seq_len=3, keep=3, names=PADDED)
+    arrays = {name: id(array) for name, array in plan.arrays.items()}
+    plan.write(np.array([[5, 6, 7], [9, -1, -1]], np.int64))
+    plan.write(np.full((2, 3), -1, np.int64))
+    a = plan.arrays
+    assert {name: id(array) for name, array in a.items()} == arrays  # bound once, rewritten in place
+    assert a[ort_plan.SEQLENS_K].tolist() == [0, 0] and a[ort_plan.QUERY_SEQLENS].tolist() == [0, 0]
+    assert a[ort_plan.SEQ].tolist() == [1] and a[ort_plan.SKIPPED].tolist() == [3]
+    assert int(a[ort_plan.TOTAL_SEQUENCE_LENGTH]) == 2  # the op's query: one token padded to two
+
+
+def test_feeds_only_for_a_graph_that_reads_a_plan():
+    """A graph that computes its own plan (continuous batching, older packages) gets no plan inputs."""
+    positions = np.array([[3, 4]], np.int64)
+    assert ort_plan.feeds(positions, 2, {"input_ids", "position_ids"}) == {}
+    feeds = ort_plan.feeds(positions, 2, set(LONE))
+    assert sorted(feeds) == sorted(LONE) and feeds[ort_plan.SEQLENS_K].tolist() == [4]
