@@ -24,7 +24,8 @@ right-padded chunk form (``query_seqlens``). Mapping the contract onto it, per r
   the same token's row in a several-token call (measured on SmolLM2: 3e-8 after the first layer,
   3e-5 on fp32 logits, 0.5 on int4 logits once int8 activation quantization rounds the difference
   up). With the zero token, a token's logits in a K=0 call equal, bit for bit, its row in a K + 1
-  verify call, so speculative greedy output is plain greedy output.
+  verify call, so speculative greedy output is plain greedy output. A package without drafts has no
+  verify call to match: its graph (``lone_query``, one KV slot) runs a one-token row alone.
 - a row with live tokens at positions ``p .. p + n - 1`` (consecutive, as the contract requires) runs
   as a chunk from ``p``: ``seqlens_k = p + max(n, MIN_QUERY_TOKENS) - 1``. Its live tokens are
   written at their positions, rotated by them and see slots ``[0, position]`` (and their window), as
@@ -32,6 +33,8 @@ right-padded chunk form (``query_seqlens``). Mapping the contract onto it, per r
   row's last live slot, where nothing is read before a later live token rewrites it.
 - a row with no live token is idle (``query_seqlens = 0``): its cache is not touched and no node
   after attention reads its output.
+- at one KV slot (``trim_rows``) these per-call integers are the host's call plan, graph inputs
+  (:mod:`qspec.backends.ort_plan`); with several slots the graph computes them from ``position_ids``.
 
 The op wants room for the whole chunk, ``p + query <=`` the buffer's length, and RoPE rows for
 every position it rotates. The runtime gives such a graph KV buffers ``query`` slots longer than

@@ -4,9 +4,9 @@ A graph without ``batch_index`` (:func:`qspec.backends.ort_tokens.trim_rows`) ne
 contract's inputs, a handful of integers that follow from the call's positions: what each row's
 ``GroupQueryAttention`` reads (``seqlens_k``, ``query_seqlens``, ``total_sequence_length``), how many tokens
 the rows are cut to, how far attention pads them, which hidden states the LM head reads and how the
-outputs are padded back. Computed in the graph they cost ≈ 50 small nodes a call (3-5 % of an int4
-one-token call of SmolLM2, each node a kernel launch and the executor's bookkeeping); the host computes
-them from the ``position_ids`` it has just written, in microseconds, and binds them as inputs.
+outputs are padded back. Computed in the graph they are ≈ 50 small nodes a call, each a kernel launch and
+the executor's bookkeeping (``docs/perf.md`` has what they cost); the host computes them from the
+``position_ids`` it has just written, in microseconds, and binds them as inputs.
 
 The graph side (:func:`add_inputs`) declares the inputs; the host side (:class:`CallPlan`) holds a
 binding's arrays and rewrites them in place before each call (:meth:`CallPlan.write`). The arithmetic
