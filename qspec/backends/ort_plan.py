@@ -113,9 +113,9 @@ class CallPlan:
             # A live row runs its live tokens, at least min_query, from its first position p:
             # seqlens_k = p + row_query - 1 = last - count + row_query.
             row_query = max(count, self.min_query) if count else 0
-            seqlens_k[row] = max(live) - count + row_query if count else 0
-            query_seqlens[row] = row_query
-            total = max(total, int(seqlens_k[row]) + 1)
+            row_seqlens_k = max(live) - count + row_query if count else 0
+            seqlens_k[row], query_seqlens[row] = row_seqlens_k, row_query
+            total = max(total, row_seqlens_k + 1)
             # The last `keep` slots up to the row's last live one (slot 0 repeated before the first).
             last = max(count - 1, 0)
             slots[row, :, 0] = [max(last + step, 0) for step in self._steps]

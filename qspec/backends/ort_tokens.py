@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from qspec import contract
+from qspec.backends import ort_plan
 
 
 def initializer(graph, name: str, array: np.ndarray):
@@ -124,15 +125,13 @@ def trim_rows(graph, inputs, shared: dict) -> None:
     and LM head run on the last ``min(keep, seq)`` picks, the logits padded back to ``keep`` in front.
     Every index comes from the host's call plan (``shared["plan"]``, :mod:`qspec.backends.ort_plan`).
     """
-    from qspec.backends import ort_plan
-
     ids = inputs[contract.INPUT_IDS]
     embed, (index, logits), pick = token_ends(graph, ids, "trimming rows")
     plan = shared["plan"]
     nodes = []
     op, constant = builder(graph, nodes, "rows")
 
-    axis1 = constant("axis1", np.array([1], np.int64))
+    axis1 = shared["axis1"]
     embed.replace_input_with(1, op("Slice", ids, shared["zero_1d"], shared["seq_1d"], axis1))
     # [rows, keep, hidden]: each row's kept slots (GatherND over the rows: the exported GatherElements
     # wanted its indices expanded to the hidden width)
@@ -169,8 +168,6 @@ def restore_hidden_states(graph, inputs, shared: dict, *, packed: bool) -> None:
         targets = op("Concat", rows, slots, axis=1)  # [live, 2]: row, slot
         out = op("ScatterND", zeros, op("Unsqueeze", targets, axis0), hidden)
     else:  # [rows, seq, hidden] padded at the end of axis 1 (the host's call plan has the pads)
-        from qspec.backends import ort_plan
-
         out = op("Pad", hidden, shared["plan"][ort_plan.HIDDEN_PADS])
     out.shape, out.type = ir.Shape(list(hidden.shape)), hidden.type  # a copy: inference may reshape `hidden`
     hidden.name = "hidden.live_hidden_states"
