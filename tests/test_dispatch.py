@@ -313,3 +313,19 @@ def test_a_heads_sure_drafts_are_verified_and_its_guesses_dropped():
         dispatcher.observe_acceptance(proposed=1, accepted=0, match_len=unsure.dispatch_class)
     assert dispatcher.plan([sure, unsure], greedy=True) == (4, [1, 0])
     assert dispatcher.stats.counts(0)[0].sum() == 0  # lookup's classes saw nothing
+
+
+def test_a_head_asks_how_deep_its_chain_would_be_verified():
+    """``useful_depth``: what a cost step would verify of a row's drafts of one class alone. A class whose
+    second drafts fail stops at one draft (the head then makes no chained call for a second); a class whose
+    drafts pass goes as deep as the cap; a covering step (a sampled row under ``auto``) takes them all."""
+    prices = CallCosts({0: 24.0, 1: 24.0, 2: 30.0, 4: 36.0}, per_token=1.0, measured_tokens={0: 1, 1: 2, 2: 3, 4: 5})
+    dispatcher = Dispatcher([0, 1, 2, 4], mode="auto", prices=prices)
+    for _ in range(50):
+        dispatcher.observe_acceptance(proposed=4, accepted=1, match_len=-8)  # first draft passes, the next fails
+        dispatcher.observe_acceptance(proposed=4, accepted=4, match_len=-10)
+    assert dispatcher.useful_depth(-8, 4) == 1
+    assert dispatcher.useful_depth(-10, 4) == 4 and dispatcher.useful_depth(-10, 2) == 2
+    assert dispatcher.useful_depth(-8, 4, greedy=False) == 4  # auto covers a sampled row's drafts
+    assert Dispatcher([0, 4], mode="cover").useful_depth(-8, 3) == 3
+    assert dispatcher.useful_depth(-8, 0) == 0

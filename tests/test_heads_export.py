@@ -16,10 +16,12 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 from qspec import contract  # noqa: E402
+from qspec.backends import ort_plan  # noqa: E402
 from qspec.errors import PackageError  # noqa: E402
 from qspec.export.graph import ctx_calls  # noqa: E402
 from qspec.heads import manifest as head_manifest  # noqa: E402
 from qspec.heads import modules  # noqa: E402
+from qspec.heads.manifest import HEAD_ONNX  # noqa: E402
 from qspec.heads.package import compile_head, eagle_specializations, medusa_specializations  # noqa: E402
 from qspec.specializations import make_config  # noqa: E402
 from tests.test_heads_modules import randomize, tiny_target  # noqa: E402
@@ -105,6 +107,7 @@ def run_eagle(sess, ids, positions, hidden, kv, batch_index=None):
     }
     if batch_index is not None:
         feeds[contract.BATCH_INDEX] = batch_index
+    feeds |= ort_plan.feeds(feeds[contract.POSITION_IDS], 1, {i.name for i in sess.get_inputs()})
     binding = sess.io_binding()
     for name, value in feeds.items():
         binding.bind_cpu_input(name, value)
@@ -134,7 +137,16 @@ def test_eagle_manifest_and_files(eagle_package):
     ids = head_manifest.read_draft_ids(package, manifest)
     assert ids.tolist() == [4, 9, 2, 130, 77, 300, 31]
     sess = session(package, manifest)
-    assert [i.name for i in sess.get_inputs()] == manifest.input_names
+    # the runtime graph: the contract's inputs, then the host's call plan (a one-slot head's)
+    assert [i.name for i in sess.get_inputs() if i.name not in ort_plan.NAMES] == manifest.input_names
+    assert ort_plan.plan_names({i.name for i in sess.get_inputs()}) == [
+        ort_plan.SEQLENS_K,
+        ort_plan.QUERY_SEQLENS,
+        ort_plan.TOTAL_SEQUENCE_LENGTH,
+        ort_plan.KEPT_SLOTS,
+    ]
+    vendor = ort.InferenceSession(str(manifest.path(package, HEAD_ONNX)), providers=["CPUExecutionProvider"])
+    assert [i.name for i in vendor.get_inputs()] == manifest.input_names
     assert [o.name for o in sess.get_outputs()] == manifest.output_names
     shapes = {v.name: v.shape for v in [*sess.get_inputs(), *sess.get_outputs()]}
     assert shapes[contract.HIDDEN_STATES] == ["batch_size", "seq_len", 64]

@@ -180,3 +180,29 @@ def test_lookup_first_takes_long_matches_and_the_head_elsewhere():
     proposer.extend("rep", [3, 5])  # accepted 3, bonus 5: no long match now
     assert proposer.propose_batch([("rep", 1)])[0].tokens.tolist() == [6]
     assert head.calls[0][1][0][head.calls[0][1][0] >= 0].tolist() == list(range(8))  # pairs 0..7 at once
+
+
+def test_eagle_chains_only_as_deep_as_dispatch_would_verify():
+    """The engine's dispatch says how many drafts of a proposal as sure as the first it would verify: the
+    chain stops there (each chained draft is a head call); the request's sampling mode and the first draft's
+    confidence class are what it is asked with."""
+    asked = []
+
+    def useful(dispatch_class, cap, greedy):
+        asked.append((dispatch_class, cap, greedy))
+        return 2
+
+    head = ScriptedHead(probs={5: 0.95})
+    proposer = eagle(head)
+    proposer.limit_depth(useful)
+    proposer.start("a", [0, 1, 2, 3, 4])
+    proposer.observe_hidden("a", 0, features(0, 5))
+    proposer.extend("a", [5])
+    assert proposer.propose("a", 4).tolist() == [6, 7]  # the threshold would let it chain to 4
+    assert len(head.calls) == 2 and asked == [(-10, 4, True)]
+    proposer.limit_depth(lambda dispatch_class, cap, greedy: 0)
+    head.calls.clear()
+    proposer.observe_hidden("a", 5, features(5, 1))
+    proposer.extend("a", [6])
+    assert proposer.propose("a", 4).tolist() == [7]  # the first draft comes with the catch-up: always kept
+    assert len(head.calls) == 1

@@ -60,3 +60,18 @@ def test_feeds_only_for_a_graph_that_reads_a_plan():
     assert ort_plan.feeds(positions, 2, {"input_ids", "position_ids"}) == {}
     feeds = ort_plan.feeds(positions, 2, set(LONE))
     assert sorted(feeds) == sorted(LONE) and feeds[ort_plan.SEQLENS_K].tolist() == [4]
+
+
+def test_a_draft_heads_plan_keeps_its_rows():
+    """A head's graph (rows not cut, a lone query, one kept slot): the op sees seq_len tokens; a row's last live
+    slot is the one whose feature the head returns."""
+    names = [ort_plan.SEQLENS_K, ort_plan.QUERY_SEQLENS, ort_plan.TOTAL_SEQUENCE_LENGTH, ort_plan.KEPT_SLOTS]
+    plan = CallPlan(rows=3, seq_len=5, keep=1, names=names)
+    plan.write(np.array([[20, 21, -1, -1, -1], [7, -1, -1, -1, -1], [-1] * 5], np.int64))
+    a = plan.arrays
+    assert set(a) == set(names)
+    assert a[ort_plan.SEQLENS_K].tolist() == [21, 7, 0] and a[ort_plan.QUERY_SEQLENS].tolist() == [2, 1, 0]
+    assert int(a[ort_plan.TOTAL_SEQUENCE_LENGTH]) == 22
+    assert a[ort_plan.KEPT_SLOTS][:, :, 0].tolist() == [[1], [0], [0]]
+    plan.write(np.array([[0, -1, -1, -1, -1], [1, -1, -1, -1, -1], [-1] * 5], np.int64))
+    assert int(a[ort_plan.TOTAL_SEQUENCE_LENGTH]) == 5  # at least the op's seq_len query tokens

@@ -85,6 +85,7 @@ def fuse_attention(
     pack_qkv: bool = False,
     pack_tokens: bool = False,
     trim_rows: bool = False,
+    host_plan: bool = False,
     lone_query: bool = False,
     layer_prefix: str = LAYER_PREFIX,
 ) -> int:
@@ -99,9 +100,12 @@ def fuse_attention(
     :func:`pack_live_tokens`). ``trim_rows`` (a graph without ``batch_index``): every node but
     attention runs on each row's first live tokens, as many as the call's longest row has (see
     :func:`trim_rows`).
-    ``lone_query`` (with ``trim_rows``): a one-token call's attention runs its token alone, without the
-    exactness pad (no ``Pad``/``Slice`` per layer): for a package without drafts, where no verify call's
-    rounding must be matched (ONNX Runtime's kernel rounds a lone query differently, see the module doc).
+    ``host_plan`` (a graph without ``batch_index``, rows not trimmed): attention's integers are the host's
+    call plan (:func:`qspec.backends.ort_plan.add_inputs` with ``cut=False``), as with ``trim_rows``.
+    ``lone_query`` (with ``trim_rows`` or ``host_plan``): a one-token call's attention runs its token alone,
+    without the exactness pad (no ``Pad``/``Slice`` per layer): for a package without drafts, where no verify
+    call's rounding must be matched (ONNX Runtime's kernel rounds a lone query differently, see the module
+    doc), and for a draft head, whose drafts the target verifies.
     ``layer_prefix``: where layer ``{i}``'s projections are (a draft head's graph holds its layer under
     another module path than the target's ``model.layers.{i}.self_attn.``).
     """
@@ -111,12 +115,23 @@ def fuse_attention(
     inputs = {value.name: value for value in graph.inputs}
     producers = _projection_outputs(graph)
     by_index = contract.BATCH_INDEX in inputs
-    if trim_rows and (by_index or pack_tokens):
-        raise ValueError("trim_rows is for a graph without batch_index, and not with pack_tokens")
-    if lone_query and not trim_rows:
-        raise ValueError("lone_query is for a graph with trim_rows")
+    if (trim_rows or host_plan) and (by_index or pack_tokens):
+        raise ValueError("trim_rows and host_plan are for a graph without batch_index, and not with pack_tokens")
+    if trim_rows and host_plan:
+        raise ValueError("trim_rows already takes the host's plan: give one of trim_rows and host_plan")
+    if lone_query and not (trim_rows or host_plan):
+        raise ValueError("lone_query is for a graph with trim_rows or host_plan")
+    if host_plan and not lone_query:
+        raise ValueError("host_plan runs a lone query: give lone_query too")
     shared = _shared_inputs(
-        graph, inputs, attention, rope_positions, packed=pack_tokens, trimmed=trim_rows, lone_query=lone_query
+        graph,
+        inputs,
+        attention,
+        rope_positions,
+        packed=pack_tokens,
+        trimmed=trim_rows,
+        planned=host_plan,
+        lone_query=lone_query,
     )
     padded = not lone_query
     outputs = {value.name: (i, value) for i, value in enumerate(graph.outputs)}
@@ -354,6 +369,7 @@ def _shared_inputs(
     *,
     packed: bool = False,
     trimmed: bool = False,
+    planned: bool = False,
     lone_query: bool = False,
 ) -> dict[str, object]:
     """What every layer's attention reads, computed once from ``position_ids`` (a dozen nodes).
@@ -362,21 +378,22 @@ def _shared_inputs(
     ``kv_slots``: its KV row and slot, both ``[1, live, 2]``), and zeros ``[kv_rows, query, width]``.
     ``trimmed``: no nodes: the host computes them (:mod:`qspec.backends.ort_plan`'s inputs, ``plan``);
     ``seq`` is the call's most live tokens in a row (at least one), not ``seq_len``, and ``query`` at
-    least ``MIN_QUERY_TOKENS`` of them (see :func:`trim_rows`).
+    least ``MIN_QUERY_TOKENS`` of them (see :func:`trim_rows`). ``planned``: the host's plan too, for rows
+    that are not cut (attention's integers only).
     """
     import onnx_ir as ir
 
     nodes = []
     op, constant = builder(graph, nodes, "attn")
     cos, sin = rope_tables(attention, rope_positions)
-    if trimmed:
+    if trimmed or planned:
         hidden = contract.HIDDEN_STATES in {v.name for v in graph.outputs}
-        plan = ort_plan.add_inputs(graph, hidden_states=hidden, query_pads=not lone_query)
+        plan = ort_plan.add_inputs(graph, hidden_states=hidden, query_pads=not lone_query, cut=trimmed)
         return {
             "plan": plan,
             "query_pads": plan.get(ort_plan.QUERY_PADS),
             "zero_1d": constant("zero_1d", np.array([0], np.int64)),
-            "seq_1d": plan[ort_plan.SEQ],
+            "seq_1d": plan.get(ort_plan.SEQ),
             "axis1": constant("axis1", np.array([1], np.int64)),
             "seqlens_k": plan[ort_plan.SEQLENS_K],
             "query_seqlens": plan[ort_plan.QUERY_SEQLENS],

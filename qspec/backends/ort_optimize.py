@@ -66,8 +66,9 @@ ACCURACY_LEVEL = INT8_ACTIVATIONS
 # Symmetric blocks (a scale, no zero point), as ONNX Runtime GenAI's builder makes them: the int8-activation
 # kernels skip the zero-point correction, faster than asymmetric blocks at the same agreement with fp32.
 SYMMETRIC = True
-# Bump when the recipe below changes: cached runtime graphs are keyed by it.
-RECIPE_VERSION = 27
+# Bump when the recipe below changes: cached runtime graphs are keyed by it (and packages, whose draft
+# head graph is built with it: 28, the head's call plan).
+RECIPE_VERSION = 28
 GRAPH_META = "graph.json"
 # Initializers below this size stay inside the .onnx file.
 EXTERNAL_MIN_BYTES = 1024

@@ -9,7 +9,10 @@ the executor's bookkeeping (``docs/perf.md`` has what they cost); the host compu
 ``position_ids`` it has just written, in microseconds, and binds them as inputs.
 
 The graph side (:func:`add_inputs`) declares the inputs; the host side (:class:`CallPlan`) holds a
-binding's arrays and rewrites them in place before each call (:meth:`CallPlan.write`). The arithmetic
+binding's arrays and rewrites them in place before each call (:meth:`CallPlan.write`). A draft head's
+graph (:func:`qspec.heads.ort_graph.fuse_eagle`) takes a smaller plan: its rows are not cut (the op sees
+the call's ``seq_len`` tokens), it runs a lone query (a draft needs no exactness) and reads one kept slot
+per row, the row's last live token. The arithmetic
 is the contract's (``docs/how-it-works.md``): a row's live tokens are its first slots, at consecutive
 positions ``p .. p + n - 1``; an idle row has none.
 """
@@ -46,9 +49,10 @@ NAMES = (
 )
 
 
-def add_inputs(graph, *, hidden_states: bool, query_pads: bool = True) -> dict[str, object]:
+def add_inputs(graph, *, hidden_states: bool, query_pads: bool = True, cut: bool = True) -> dict[str, object]:
     """Declare the plan's inputs on an ``onnx_ir`` graph; ``{name: value}`` (no hidden pads without that output,
-    no query pads for a graph whose attention runs a lone query)."""
+    no query pads for a graph whose attention runs a lone query). ``cut=False``: a graph whose rows keep
+    their ``seq_len`` tokens (a draft head's) only takes attention's integers and the kept slots."""
     import onnx_ir as ir
 
     keep = contract.NUM_LOGITS_TO_KEEP if contract.NUM_LOGITS_TO_KEEP in {v.name for v in graph.inputs} else 1
@@ -66,6 +70,9 @@ def add_inputs(graph, *, hidden_states: bool, query_pads: bool = True) -> dict[s
         shapes[HIDDEN_PADS] = (ir.DataType.INT64, [6])
     if not query_pads:
         del shapes[QUERY_PADS]
+    if not cut:
+        for name in (SEQ, QUERY_PADS, SKIPPED, LOGITS_PADS, HIDDEN_PADS):
+            shapes.pop(name, None)
     values = {}
     for name, (dtype, dims) in shapes.items():
         value = ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape(dims))
@@ -79,12 +86,13 @@ class CallPlan:
 
     ``names``: the plan inputs the graph has (a graph without the ``hidden_states`` output has no hidden pads).
     A graph without query pads runs a lone query token (``min_query`` 1); the others pad a one-token row to
-    ``MIN_QUERY_TOKENS``.
+    ``MIN_QUERY_TOKENS``. A graph without ``plan_seq`` does not cut its rows: the op sees ``seq_len`` tokens.
     """
 
     def __init__(self, rows: int, seq_len: int, keep: int, names: Collection[str]):
         self.seq_len, self.keep = seq_len, keep
         self.min_query = MIN_QUERY_TOKENS if QUERY_PADS in names else 1
+        self.cut = SEQ in names
         arrays = {
             SEQLENS_K: np.zeros(rows, np.int32),
             QUERY_SEQLENS: np.zeros(rows, np.int32),
@@ -119,9 +127,11 @@ class CallPlan:
             # The last `keep` slots up to the row's last live one (slot 0 repeated before the first).
             last = max(count - 1, 0)
             slots[row, :, 0] = [max(last + step, 0) for step in self._steps]
-        seq = max(most, 1)  # an idle call runs one padding token
+        seq = max(most, 1) if self.cut else self.seq_len  # an idle call runs one padding token
         query = max(seq, self.min_query)
         a[TOTAL_SEQUENCE_LENGTH][...] = max(total, query)
+        if not self.cut:
+            return
         a[SEQ][0] = seq
         if QUERY_PADS in a:
             a[QUERY_PADS][4] = query - seq

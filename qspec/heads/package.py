@@ -337,10 +337,16 @@ def check_head_sessions(folder: Path, manifest: HeadManifest) -> None:
     """Run the head's runtime graph once per specialization; the logits must have the shape the manifest says."""
     import onnxruntime as ort
 
+    from qspec.backends import ort_plan
+
     session = ort.InferenceSession(str(folder / manifest.runtime_graph), providers=["CPUExecutionProvider"])
+    names = {value.name for value in session.get_inputs()}
     for spec in manifest.specializations:
+        feeds = example_feeds(manifest, spec)
+        if contract.POSITION_IDS in feeds:  # a one-slot EAGLE head takes the host's call plan
+            feeds |= ort_plan.feeds(feeds[contract.POSITION_IDS], 1, names)
         try:
-            logits = session.run([contract.LOGITS], example_feeds(manifest, spec))[0]
+            logits = session.run([contract.LOGITS], feeds)[0]
         except Exception as exc:  # ORT raises plain RuntimeErrors
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise CompileError(f"the draft head graph fails for {spec.describe()}: {first}") from exc

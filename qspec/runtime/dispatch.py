@@ -348,6 +348,14 @@ class Dispatcher:
                 return pick_k(self.ks, 1), [min(n, 1) for n in lengths]
         return k, depths
 
+    def useful_depth(self, dispatch_class: int, cap: int, greedy: bool = True) -> int:
+        """How many of ``cap`` drafts of ``dispatch_class`` a ``cost`` step would verify for a row alone (the
+        :func:`plan_by_cost` of one row on the class's chain); ``cap`` when the step covers its drafts. A head
+        asks before paying a call for its next draft (:meth:`Proposer.limit_depth`)."""
+        if cap <= 0 or self.k_max == 0 or self.step_mode(greedy=greedy) != "cost":
+            return max(cap, 0)
+        return plan_by_cost(self.ks, self.prices.price, [cap], [self.stats.chain(dispatch_class)])[1][0]
+
     def observe_call(self, k: int, ms: float, live_tokens: int) -> None:
         """A decode call of K took ``ms`` with ``live_tokens`` live tokens (no prompt chunks in it)."""
         if self.prices is not None:

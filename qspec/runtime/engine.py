@@ -146,6 +146,7 @@ class Engine:
         self._updated: dict[int, SequenceState] = {}  # requests with news for the next delta
         self._next_id = 0
         self.dispatcher = self.warmup(dispatch)
+        self.proposer.limit_depth(self.dispatcher.useful_depth)
 
     def warmup(self, dispatch: str) -> Dispatcher:
         """Run every specialization on padding (the first request pays no set-up); returns the dispatcher,

@@ -33,8 +33,9 @@ import onnxruntime as ort
 
 from qspec import contract
 from qspec.backends import ort as ort_backend
+from qspec.backends import ort_plan
 from qspec.errors import ConfigError
-from qspec.runtime.proposal import Proposal, Proposer, RequestId, Tokens, as_tokens
+from qspec.runtime.proposal import DepthLimit, Proposal, Proposer, RequestId, Tokens, as_tokens, confidence_class
 from qspec.runtime.sampling import SamplingParams
 
 DEFAULT_THRESHOLD = 0.5  # a chain of drafts less likely than this (product of probabilities) ends the row's drafts
@@ -55,6 +56,7 @@ class _Request:
     hidden: np.ndarray  # [ctx_len, hidden]: f_t for t < known
     known: int = 0  # hidden states known for positions < known
     cached: int = 0  # pairs t < cached are in the head's KV cache
+    greedy: bool = True  # how the request samples (dispatch covers a sampled row's drafts)
 
 
 @dataclass
@@ -88,6 +90,7 @@ class HeadGraph:
         self.outputs = [
             o.name for o in self.session.get_outputs() if not o.name.endswith(contract.RETAINED_STATE_SUFFIX)
         ]
+        self.plan_names = ort_plan.plan_names(names)  # a one-slot EAGLE head's (qspec.heads.ort_graph)
         self._bound: dict[tuple, _Bound] = {}  # input shapes -> their binding (a few: rows x widths)
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -99,6 +102,8 @@ class HeadGraph:
             return bound.outputs
         for name, value in feeds.items():
             np.copyto(bound.inputs[name], value)
+        if bound.plan is not None:
+            bound.plan.write(bound.inputs[contract.POSITION_IDS])
         self.session.run_with_iobinding(bound.binding)
         return bound.outputs
 
@@ -107,9 +112,17 @@ class HeadGraph:
         inputs, and for the outputs once that call has given their shapes (and values); the KV cache in place."""
         binding = self.session.io_binding()
         inputs = {name: np.array(value) for name, value in feeds.items()}
+        plan = None
+        if self.plan_names:
+            positions = inputs[contract.POSITION_IDS]
+            plan = ort_plan.CallPlan(positions.shape[0], positions.shape[1], 1, self.plan_names)
+            plan.write(positions)
         keep = [ort.OrtValue.ortvalue_from_numpy(value) for value in inputs.values()]
         for name, value in zip(inputs, keep):
             binding.bind_ortvalue_input(name, value)
+        for name, array in (plan.arrays if plan else {}).items():
+            keep.append(ort.OrtValue.ortvalue_from_numpy(array))
+            binding.bind_ortvalue_input(name, keep[-1])
         for name, value in self.kv_values:
             binding.bind_ortvalue_input(name, value)
             binding.bind_ortvalue_output(contract.retained(name), value)
@@ -124,7 +137,7 @@ class HeadGraph:
         for name, array in outputs.items():
             keep.append(ort.OrtValue.ortvalue_from_numpy(array))
             binding.bind_ortvalue_output(name, keep[-1])
-        return _Bound(binding, inputs, outputs, keep)
+        return _Bound(binding, inputs, outputs, keep, plan)
 
 
 @dataclass
@@ -135,6 +148,7 @@ class _Bound:
     inputs: dict[str, np.ndarray]
     outputs: dict[str, np.ndarray]
     keep: list  # the OrtValues, alive as long as the binding
+    plan: ort_plan.CallPlan | None  # its call plan's arrays, rewritten before each call
 
 
 class HiddenStateProposer(Proposer):
@@ -159,6 +173,7 @@ class HiddenStateProposer(Proposer):
         self.ctx_len, self.hidden_size, self.rows = ctx_len, hidden_size, rows  # ctx_len 0: the head has no cache
         self.buffer_len = ctx_len  # positions of hidden states kept per request: the target's ctx_len once known
         self.threshold = threshold
+        self.depth_limit: DepthLimit | None = None  # the engine's dispatch (limit_depth)
         self._requests: dict[RequestId, _Request] = {}
 
     def check_target(self, *, vocab_size: int, ctx_len: int, num_slots: int) -> None:
@@ -172,7 +187,11 @@ class HiddenStateProposer(Proposer):
         used = {r.row for r in self._requests.values()}
         row = next((r for r in range(self.rows) if r not in used), 0)  # a head without a cache has no rows to share
         hidden = np.zeros((self.buffer_len, self.hidden_size), np.float32)
-        self._requests[request_id] = _Request(row, as_tokens(prompt_tokens).tolist(), hidden)
+        greedy = params is None or params.greedy
+        self._requests[request_id] = _Request(row, as_tokens(prompt_tokens).tolist(), hidden, greedy=greedy)
+
+    def limit_depth(self, useful: DepthLimit | None) -> None:
+        self.depth_limit = useful
 
     def observe_hidden(self, request_id: RequestId, start: int, hidden: np.ndarray) -> None:
         request = self._requests[request_id]
@@ -265,7 +284,9 @@ class EagleProposer(HiddenStateProposer):
 
     def _take(self, row: _Row, logits: np.ndarray, feature: np.ndarray) -> None:
         """Keep the head's draft unless the chain it ends is below the threshold (the first draft is always
-        kept: the dispatch prices it); chain on while the chain's probability stays at or above it."""
+        kept: the dispatch prices it); chain on while the chain's probability stays at or above it, as deep as
+        the engine's dispatch would verify a proposal as sure as the first draft (a chained draft costs a call
+        whether it is verified or not; ``limit_depth``)."""
         top, prob = softmax_top(logits[None])
         confidence = row.confidence * float(prob[0])
         if row.drafts and confidence < self.threshold:
@@ -273,6 +294,9 @@ class EagleProposer(HiddenStateProposer):
             return
         if not row.drafts:
             row.first = confidence
+            if self.depth_limit is not None:
+                useful = self.depth_limit(confidence_class(confidence), row.cap, row.request.greedy)
+                row.cap = min(row.cap, max(useful, 1))
         row.drafts.append(int(self.to_target(top)[0]))
         row.feature, row.confidence = feature.copy(), confidence  # the graph's output array is reused
         row.going = len(row.drafts) < row.cap and confidence >= self.threshold
@@ -327,6 +351,9 @@ class LookupFirstProposer(Proposer):
 
     def check_target(self, *, vocab_size: int, ctx_len: int, num_slots: int) -> None:
         self.head.check_target(vocab_size=vocab_size, ctx_len=ctx_len, num_slots=num_slots)
+
+    def limit_depth(self, useful: DepthLimit | None) -> None:
+        self.head.limit_depth(useful)
 
     def start(self, request_id, prompt_tokens, params=None, rng=None) -> None:
         self.lookup.start(request_id, prompt_tokens, params, rng)

@@ -16,7 +16,7 @@ the proposer between ``propose`` and ``extend``. Terms (proposed, accepted, bonu
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +25,8 @@ from qspec.runtime.sampling import SamplingParams
 
 RequestId = Hashable
 CONFIDENCE_CLASSES = 10  # Proposal.dispatch_class: a draft's confidence in tenths
+# (dispatch class, cap, greedy) -> how many of a proposal's drafts the engine's dispatch would verify
+DepthLimit = Callable[[int, int, bool], int]
 Tokens = np.ndarray | Sequence[int]
 
 
@@ -78,11 +80,16 @@ class Proposal:
         """The acceptance statistics this proposal shares: ``match_len``, or ``-1 - tenths`` of its confidence."""
         if self.confidence is None:
             return self.match_len
-        return -1 - min(int(self.confidence * CONFIDENCE_CLASSES), CONFIDENCE_CLASSES - 1)
+        return confidence_class(self.confidence)
 
     @classmethod
     def empty(cls) -> Proposal:
         return cls(np.zeros(0, dtype=np.int64))
+
+
+def confidence_class(confidence: float) -> int:
+    """:attr:`Proposal.dispatch_class` of a proposal whose first draft has probability ``confidence``."""
+    return -1 - min(int(confidence * CONFIDENCE_CLASSES), CONFIDENCE_CLASSES - 1)
 
 
 class Proposer(ABC):
@@ -136,3 +143,8 @@ class Proposer(ABC):
 
     def check_target(self, *, vocab_size: int, ctx_len: int, num_slots: int) -> None:
         """Raise ConfigError when this proposer cannot serve the target; most proposers serve any."""
+
+    def limit_depth(self, useful: DepthLimit | None) -> None:
+        """The engine says how deep its dispatch would verify a proposal (``useful(dispatch_class, cap, greedy)``).
+        A proposer that pays a call for every further draft (a head's chain) stops there; lookup drafts cost
+        nothing to make, so by default this is ignored."""
