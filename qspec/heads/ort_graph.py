@@ -17,9 +17,9 @@ RoPE table of ``ctx_len`` plus that slack rows.
 
 A head without ``batch_index`` (a one-slot package's) also takes the host's call plan
 (:mod:`qspec.backends.ort_plan`, rows not cut): attention's ``seqlens_k``, query lengths and total, and
-each row's last live slot, whose feature the graph returns (``hidden_states_out``) and the LM head reads.
-Computed in the graph they were about thirty small nodes of a ≈ 55-node call. Its attention runs a lone
-query: the exactness pad is the target's concern, a draft is verified whatever its rounding.
+each row's last live slot, whose feature the graph returns (``hidden_states_out``) and the LM head reads
+(in the graph, about thirty small nodes a call). Its attention runs a lone query: the exactness pad is the
+target's concern, a draft is verified whatever its rounding.
 
 Medusa heads have neither attention nor norms: their runtime graph is the vendor graph (quantized for int8/int4).
 
