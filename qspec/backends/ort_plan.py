@@ -127,7 +127,7 @@ class CallPlan:
             # The last `keep` slots up to the row's last live one (slot 0 repeated before the first).
             last = max(count - 1, 0)
             slots[row, :, 0] = [max(last + step, 0) for step in self._steps]
-        seq = max(most, 1) if self.cut else self.seq_len  # an idle call runs one padding token
+        seq = max(most, 1) if self.cut else self.seq_len  # cut: an idle call still runs one padding token
         query = max(seq, self.min_query)
         a[TOTAL_SEQUENCE_LENGTH][...] = max(total, query)
         if not self.cut:
