@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -149,6 +150,35 @@ def test_speculative_outputs_equal_none(bench_run):
     assert (fmt.reference, fmt.kind, fmt.total) == ("none@1", "format", 8)
     assert 0 <= fmt.mean_common_prefix <= 1
     assert report.config("pld[0,4]-int4@1").overall.ratio_to_none is not None
+
+
+def test_each_package_runs_in_a_process_of_its_own(bench_run):
+    """qspec's configurations run as a peer's do: one worker process per package, not the bench's; what a
+    worker generates is what the engine generates in this process."""
+    import os
+
+    from qspec.bench.plan import RunConfig, Steps, none_config
+    from qspec.bench.runners import QspecRunner
+    from qspec.runtime import Engine, SamplingParams
+
+    _, report, _ = bench_run
+    packages = {("fp32", 1): Path(report.meta.packages["1"]), ("int4", 1): Path(report.meta.packages["int4@1"])}
+    configs = [RunConfig("pld", (0, 4), 1, weight_format="int4"), none_config("fp32", 1)]
+    runner = QspecRunner(packages, configs, num_threads=1, dispatch="auto", draft_package=None)
+    try:
+        runner.start(Steps(None))
+        pids = {key: worker.process.pid for key, worker in runner.workers.items()}
+        assert set(pids) == set(packages) and len(set(pids.values())) == 2 and os.getpid() not in pids.values()
+        prompts = [runner.encode_chat([{"role": "user", "content": p["turns"][0]}]) for p in PROMPTS[:2]]
+        result = runner.run(configs[0], prompts, 10)
+        engine = Engine(packages["int4", 1], method="pld", num_speculative_tokens=[0, 4], num_threads=1)
+        expected = engine.generate(prompts, SamplingParams(max_new_tokens=10))
+        assert [r.tokens for r in result.requests] == [list(o.token_ids) for o in expected]
+        assert [r.text for r in result.requests] == [o.text for o in expected]
+        assert result.wall_s > 0 and result.calls["prefill"] >= 2  # a call per prefill chunk
+        assert runner.stop() is None and not runner.workers
+    finally:
+        runner.close()
 
 
 def test_report_has_micro_and_memory_and_targets_read_it(bench_run, tmp_path):

@@ -12,6 +12,8 @@ import datetime as _dt
 import os
 import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -123,6 +125,14 @@ def start_baselines(plan: BenchPlan, baselines: list[Runner], steps: Steps) -> t
         steps.total -= round_count(plan) * (len(plan.configs) - len(kept))
         plan = replace(plan, configs=kept)
     return plan, info, skipped
+
+
+def loaded_models(packages: dict[tuple[str, int], Path], num_threads: int | None) -> dict[tuple[str, int], Any]:
+    """The packages loaded in this process, for the micro-benchmark and the head replays (the timed rounds
+    run in each package's worker process); (weight format, max batch size) -> CompiledModel."""
+    from qspec.runtime.model import CompiledModel
+
+    return {key: CompiledModel(package, num_threads=num_threads) for key, package in packages.items()}
 
 
 def run_micro(
@@ -288,29 +298,34 @@ def _measure(plan: BenchPlan, packages: Packages, steps: Steps, laps: Laps) -> M
         dispatch=options.dispatch,
         draft_package=options.draft_package,
     )
-    qspec.start(steps)
-    first_turns = [qspec.encode_chat([{"role": "user", "content": p.turns[0]}]) for p in plan.prompts]
-    baselines = baseline_runners(plan, sorted(qspec.first_engine.eos_token_ids))
+    baselines: list[Runner] = []
     try:
+        qspec.start(steps)
+        first_turns = [qspec.encode_chat([{"role": "user", "content": p.turns[0]}]) for p in plan.prompts]
+        baselines = baseline_runners(plan, qspec.eos_token_ids)
         plan, info, skipped = start_baselines(plan, baselines, steps)
         baselines = [r for r in baselines if r.backend in info]
         laps.lap("load_s")
-        micro = run_micro(qspec.models, options, first_turns, steps)
+        micro = None
+        if options.micro_iterations:
+            micro = run_micro(loaded_models(packages.flat, options.num_threads), options, first_turns, steps)
         laps.lap("micro_s")
         runners = {c.key: r for r in [qspec, *baselines] for c in r.configs}
         missing = [c.key for c in plan.configs if c.key not in runners]
         assert not missing, f"configurations without a runner: {missing}"
         collected = run_timed(plan, runners, qspec.encode_chat, steps)
         laps.lap("timed_rounds_s")
+        qspec.stop()
+        peaks = {r.backend: r.stop() for r in baselines}
         prompts = {p.id: list(tokens) for p, tokens in zip(plan.prompts, first_turns)}
         head_replays = {}
         if options.head_methods:
             steps.say("replaying the draft heads along none's outputs (the speculation ceiling)")
-            head_replays = head_replays_of(plan.configs, qspec.models, collected, prompts, micro)
+            models = loaded_models({k: v for k, v in packages.flat.items() if k[1] == 1}, options.num_threads)
+            head_replays = head_replays_of(plan.configs, models, collected, prompts, micro)
             laps.lap("head_replay_s")
-        peaks = {r.backend: r.stop() for r in baselines}
     finally:
-        for runner in baselines:
+        for runner in [qspec, *baselines]:
             runner.close()
     memory = None
     if options.memory:

@@ -2,10 +2,11 @@
 
 The run loop knows only ``Runner``: it gives every configuration the same prompt token ids and gets
 back, per request, the token ids and :class:`RequestMetrics`. qspec's own engine is one runner
-(:class:`QspecRunner`); the transformers baseline another (:class:`TransformersRunner`, in a worker
-process). A peer runtime (ONNX Runtime GenAI, llama.cpp, ...) plugs in the same way: subclass
-``Runner``, declare its configurations (``RunConfig(..., backend=its name)``, batch 1 like the
-transformers baseline, or more), and add it in :func:`qspec.bench.run.baseline_runners`.
+(:class:`QspecRunner`, a worker process per package); the transformers baseline another
+(:class:`TransformersRunner`, in a worker process). A peer runtime (ONNX Runtime GenAI, llama.cpp,
+...) plugs in the same way: subclass ``Runner``, declare its configurations (``RunConfig(...,
+backend=its name)``, batch 1 like the transformers baseline, or more), and add it in
+:func:`qspec.bench.run.baseline_runners`.
 """
 
 from __future__ import annotations
@@ -73,10 +74,10 @@ def engine_knobs(method: str, draft_package: Path | None) -> dict[str, Any]:
 
 
 class QspecRunner(Runner):
-    """qspec's engine: one loaded model per package (weight format x batch size), one Engine per configuration on it.
+    """qspec's engine: one worker process per package (weight format x batch size), as each peer model has
+    its own, with an Engine per configuration on the package's one loaded model (:func:`.workers.qspec_main`).
 
-    At batch 1 each prompt is its own ``generate`` call (TTFT without queueing); at batch B the
-    round is one ``generate`` call (continuous batching: TTFT includes the wait for a slot).
+    The parent keeps only the package's tokenizer (the chat template for every configuration's prompts).
     """
 
     backend = "qspec"
@@ -95,51 +96,48 @@ class QspecRunner(Runner):
         self.num_threads = num_threads
         self.dispatch = dispatch
         self.draft_package = draft_package
-        self.models: dict[tuple[str, int], Any] = {}  # (weight format, batch) -> CompiledModel
-        self.engines: dict[str, Any] = {}  # config key -> Engine
+        self.workers: dict[tuple[str, int], Worker] = {}  # (weight format, batch) -> its package's process
+        self.eos_token_ids: list[int] = []
+        self.tokenizer: Any = None
 
     def start(self, steps: Steps) -> RunnerInfo | None:
-        from qspec.runtime import Engine
-        from qspec.runtime.model import CompiledModel
+        from qspec.package import TOKENIZER_DIR
+        from qspec.runtime.tokenizer import Tokenizer
 
+        draft = None if self.draft_package is None else str(self.draft_package)
         for (weight_format, batch), package in self.packages.items():
-            steps.say(f"loading the {weight_format} batch {batch} package")
-            model = self.models[weight_format, batch] = CompiledModel(package, num_threads=self.num_threads)
-            for config in [c for c in self.configs if (c.weight_format, c.batch) == (weight_format, batch)]:
-                # Engines on one loaded model share its weights, sessions and KV cache, one at a time.
-                self.engines[config.key] = Engine(
-                    package,
-                    method=config.method,
-                    num_speculative_tokens=list(config.ks),
-                    dispatch=self.dispatch,
-                    model=model,
-                    num_threads=self.num_threads,  # the model is loaded: only a draft head reads it
-                    **engine_knobs(config.method, self.draft_package),
-                )
+            steps.say(f"loading the {weight_format} batch {batch} package (a worker process)")
+            mine = [c for c in self.configs if (c.weight_format, c.batch) == (weight_format, batch)]
+            worker = self.workers[weight_format, batch] = Worker(
+                "qspec", str(package), mine, self.num_threads, self.dispatch, draft
+            )
+            self.eos_token_ids = worker.receive(f"loading the {weight_format} batch {batch} package")["eos_token_ids"]
             steps.step(f"{weight_format} batch {batch} engines ready")
+        self.tokenizer = Tokenizer(next(iter(self.packages.values())) / TOKENIZER_DIR)
         return None
-
-    @property
-    def first_engine(self):
-        return self.engines[self.configs[0].key]
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of a chat (the package's template), the same for every configuration."""
-        return self.first_engine.tokenizer.encode_prompt(messages, chat=True)
+        return self.tokenizer.encode_prompt(messages, chat=True)
 
     def run(self, config: RunConfig, prompts: list[list[int]], max_new_tokens: int) -> RoundResult:
-        from qspec.runtime import SamplingParams
+        worker = self.workers[config.weight_format, config.batch]
+        answers, wall, calls = worker.ask(config.key, (config.key, prompts, config.batch, max_new_tokens))
+        return RoundResult([RequestResult(*answer) for answer in answers], wall, calls)
 
-        engine = self.engines[config.key]
-        params = SamplingParams(max_new_tokens=max_new_tokens)
-        groups = [[p] for p in prompts] if config.batch == 1 else [prompts]
-        results, wall, calls = [], 0.0, Counter()
-        for group in groups:
-            outputs = engine.generate(group, params)
-            results += [RequestResult(list(o.token_ids), o.text, o.metrics) for o in outputs]
-            wall += engine.last_metrics.wall_s
-            calls.update(engine.last_metrics.calls)
-        return RoundResult(results, wall, calls)
+    def stop(self) -> float | None:
+        """Stop the packages' processes; None: each configuration's peak RSS is its memory probe's."""
+        try:
+            for (weight_format, batch), worker in self.workers.items():
+                worker.ask(f"stopping the {weight_format} batch {batch} package", "stop")
+        finally:
+            self.close()
+        return None
+
+    def close(self) -> None:
+        for worker in self.workers.values():
+            worker.close()
+        self.workers = {}
 
 
 def _transformers_request(result: dict) -> RequestMetrics:

@@ -1,12 +1,15 @@
-"""Child processes of a bench run: the memory probes, the transformers baseline, the peers (:mod:`.peers.workers`).
+"""Child processes of a bench run: qspec's packages, the memory probes, the transformers baseline, the peers
+(:mod:`.peers.workers`).
 
-Each runs in a clean interpreter (a plain subprocess; messages over a socket), so torch's memory and
-threads never sit in the engine's process and a probe's RSS is its configuration's alone.
+Each runs in a clean interpreter (a plain subprocess; messages over a socket): every timed runtime, qspec's
+engine on one package as much as a peer on its model, runs in a process of its own, so no runtime's memory,
+threads or allocator state sit in another's, and a probe's RSS is its configuration's alone.
 """
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 from qspec.bench.machine import peak_rss_mb, rss_mb
@@ -129,6 +132,68 @@ def probe_main(
         conn.close()
 
 
+def qspec_main(
+    conn, package: str, configs: list, num_threads: int | None, dispatch: str, draft_package: str | None
+) -> None:
+    """Child: load one package and an Engine per configuration on it (``RunConfig``), then answer
+    ``(config key, prompts, max_new_tokens)`` requests with ``([(tokens, text, metrics)], wall, calls)``.
+
+    At batch 1 each prompt is its own ``generate`` call (TTFT without queueing); at batch B the
+    prompts are one ``generate`` call (continuous batching: TTFT includes the wait for a slot).
+    """
+    try:
+        from collections import Counter
+        from importlib.metadata import version
+
+        from qspec.bench.runners import engine_knobs
+        from qspec.runtime import Engine, SamplingParams
+        from qspec.runtime.model import CompiledModel
+
+        begin = time.perf_counter()
+        model = CompiledModel(package, num_threads=num_threads)
+        draft = None if draft_package is None else Path(draft_package)
+        engines = {
+            # Engines on one loaded model share its weights, sessions and KV cache, one at a time.
+            config.key: Engine(
+                package,
+                method=config.method,
+                num_speculative_tokens=list(config.ks),
+                dispatch=dispatch,
+                model=model,
+                num_threads=num_threads,  # the model is loaded: only a draft head reads it
+                **engine_knobs(config.method, draft),
+            )
+            for config in configs
+        }
+        first = next(iter(engines.values()))
+        conn.send(
+            {
+                "load_s": round(time.perf_counter() - begin, 2),
+                "versions": {"onnxruntime": version("onnxruntime")},
+                "eos_token_ids": sorted(first.eos_token_ids),
+            }
+        )
+        while True:
+            message = conn.recv()
+            if message == "stop":
+                conn.send({"peak_rss_mb": round(peak_rss_mb(), 1), "rss_mb": round(rss_mb(), 1)})
+                return
+            key, prompts, batch, max_new_tokens = message
+            engine = engines[key]
+            params = SamplingParams(max_new_tokens=max_new_tokens)
+            results, wall, calls = [], 0.0, Counter()
+            for group in [[p] for p in prompts] if batch == 1 else [prompts]:
+                outputs = engine.generate(group, params)
+                results += [(list(o.token_ids), o.text, o.metrics) for o in outputs]
+                wall += engine.last_metrics.wall_s
+                calls.update(engine.last_metrics.calls)
+            conn.send((results, wall, calls))
+    except Exception as exc:  # sent to the parent, which raises it as a BenchError
+        conn.send({"error": f"qspec engine on {package}: {type(exc).__name__}: {exc}"})
+    finally:
+        conn.close()
+
+
 def transformers_main(conn, model_ref: str, num_threads: int, eos_token_ids: list[int]) -> None:
     """Child: load the transformers model, then answer ``(lookup, prompts, max_new_tokens)`` requests."""
     try:
@@ -199,6 +264,7 @@ def transformers_main(conn, model_ref: str, num_threads: int, eos_token_ids: lis
 # Worker targets as "module:function", imported in the child only: the peers' workers (which start
 # Workers of their own) are not imported by this module.
 TARGETS = {
+    "qspec": "qspec.bench.workers:qspec_main",
     "probe": "qspec.bench.workers:probe_main",
     "transformers": "qspec.bench.workers:transformers_main",
     "ort_genai": "qspec.bench.peers.workers:ort_genai_main",
