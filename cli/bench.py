@@ -79,7 +79,12 @@ def bench(
             "(default 16,32,64,128,256 up to what the packages take; '' = none)."
         ),
     ] = None,
-    round_size: Annotated[Optional[int], typer.Option(help="Prompts per interleaving round.")] = None,
+    round_size: Annotated[
+        Optional[int],
+        typer.Option(
+            help="Prompts per round (batch 1 interleaves prompt by prompt; batch > 1 runs a round's share at once)."
+        ),
+    ] = None,
     ctx_len: CtxLenOption = DEFAULT_CTX_LEN,
     prefill_seq_len: PrefillSeqLenOption = DEFAULT_PREFILL_SEQ_LEN,
     comp_ctx_lengths_prefill: CclPrefillOption = None,

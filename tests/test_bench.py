@@ -307,7 +307,8 @@ def test_rounds_and_rotation():
 
 def test_batch_configurations_run_more_prompts_in_one_run_per_round():
     """At batch > 1 a round's share of the batch prompts goes in one run (a run drains at its end: rounds of
-    8 requests over 4 slots made that a large share of every run); batch 1 keeps its rounds and prompts."""
+    8 requests over 4 slots made that a large share of every run). At batch 1 a round goes prompt by prompt,
+    every configuration on a prompt before the next (order rotated each prompt), so drift hits them alike."""
     from types import SimpleNamespace
 
     from qspec.bench.analysis import Collected
@@ -325,19 +326,30 @@ def test_batch_configurations_run_more_prompts_in_one_run_per_round():
     class Recorder:
         def run(self, config, ids, max_new_tokens):
             seen.append((config.key, [i[0] for i in ids]))
-            return RoundResult([RequestResult([1], "", RequestMetrics(arrival=0.0)) for _ in ids], 1.0)
+            return RoundResult([RequestResult([1], "", RequestMetrics(arrival=0.0)) for _ in ids], 0.5 * len(ids))
 
     requests = [(str(i), "c", [i]) for i in range(4)]  # batch 1: 4 prompts, rounds of 2
     batch_requests = [(str(i), "c", [i]) for i in range(10)]  # batch > 1: those and 6 more
     collected = {c.key: Collected(c) for c in configs}
     plan = SimpleNamespace(options=options, configs=configs)
     run_phase(plan, {c.key: Recorder() for c in configs}, requests, collected, 1, Steps(None), batch_requests)
-    runs = {}
-    for key, ids in seen:
-        runs.setdefault(key, []).append(ids)
-    assert runs["none@1"] == runs["pld[0,4]@1"] == [[0, 1], [2, 3]]
-    assert runs["none@4"] == runs["pld[0,4]@4"] == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
     assert len(collected["none@4"].requests) == 10 and len(collected["none@1"].requests) == 4
+    assert collected["none@1"].walls == [1.0, 1.0] and collected["none@4"].walls == [2.5, 2.5]
+    five = [0, 1, 2, 3, 4]
+    assert seen == [  # round 1: the batch-1 block first, prompt by prompt, each prompt's order rotated
+        ("none@1", [0]),
+        ("pld[0,4]@1", [0]),
+        ("pld[0,4]@1", [1]),
+        ("none@1", [1]),
+        ("none@4", five),
+        ("pld[0,4]@4", five),
+        ("none@4", [5, 6, 7, 8, 9]),  # round 2: the blocks rotated, batch 1 last
+        ("pld[0,4]@4", [5, 6, 7, 8, 9]),
+        ("pld[0,4]@1", [2]),
+        ("none@1", [2]),
+        ("none@1", [3]),
+        ("pld[0,4]@1", [3]),
+    ]
 
 
 def test_plan_takes_more_prompts_at_batch_above_one(tiny_model, prompts_file):

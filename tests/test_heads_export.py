@@ -156,6 +156,23 @@ def test_eagle_manifest_and_files(eagle_package):
     assert ctx_calls(manifest.path(package, manifest.graph)) == {"CtxScatter": 2, "CtxGather": 4}  # QEfficient's KV ops
 
 
+def test_the_embedding_is_gathered_in_float16(eagle_package):
+    """Both head graphs gather the target's embedding rows from its float16 table and cast the rows: no
+    Cast of the whole table, which ONNX Runtime would fold into a float32 copy in every session."""
+    import onnx
+    from onnx import TensorProto
+
+    package, manifest, _ = eagle_package
+    for graph_file in (manifest.runtime_graph, HEAD_ONNX):
+        graph = onnx.load(str(manifest.path(package, graph_file)), load_external_data=False).graph
+        [embed] = [i for i in graph.initializer if i.name.endswith("embed_tokens.weight.fp16")]
+        assert (embed.data_type, list(embed.dims)) == (TensorProto.FLOAT16, [320, 64])
+        readers = [n for n in graph.node if embed.name in n.input]
+        assert [n.op_type for n in readers] == ["Gather"], graph_file
+        casts = [n for n in graph.node if n.op_type == "Cast" and n.input[0] == readers[0].output[0]]
+        assert len(casts) == 1 and casts[0].attribute[0].i == TensorProto.FLOAT
+
+
 def test_eagle_specializations_sorted_and_flat(eagle_package):
     """Prefill, then seq_len 1 and K + 1 per K, ascending; the file is flat and string-valued."""
     package, manifest, _ = eagle_package

@@ -37,8 +37,9 @@ def _header(report: BenchReport) -> list[str]:
         f"greedy. Started {meta.started}, {meta.wall_s} s in all ({phases}).",
         f"Machine: {machine.cpu}, {machine.cores} cores, {machine.memory_gb} GB; onnxruntime "
         f"{machine.onnxruntime}{versions}.",
-        "Rates are over each configuration's summed `generate` wall time; the configurations ran interleaved "
-        "round by round. Ratio: requests/s against `none` of the same weight format at the same max batch size. "
+        "Rates are over each configuration's summed `generate` wall time; the configurations ran interleaved, "
+        "prompt by prompt at batch 1 and round by round at batch > 1, each qspec package and peer model in its own "
+        "process. Ratio: requests/s against `none` of the same weight format at the same max batch size. "
         "TTFT at batch > 1 includes the wait for a slot. Other CPU: the share of the machine other processes used "
         "while a configuration ran.",
     ]

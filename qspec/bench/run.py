@@ -214,28 +214,49 @@ def run_phase(
     steps: Steps,
     batch_requests: list[Request] | None = None,
 ) -> None:
-    """Every configuration on every round of ``requests``, the order rotated by one each round; the
-    configurations at batch > 1 run the same round's share of ``batch_requests`` (default: ``requests``),
-    the whole share in one run."""
+    """Every configuration on every round of ``requests``, interleaved as finely as each batch size allows.
+
+    At batch 1 a round runs prompt by prompt, every configuration on one prompt before the next prompt
+    (the order rotated by one each prompt and round): a configuration's runs of a prompt lie seconds
+    apart, so the machine's drift (this VM's calls vary by a third within minutes) hits them alike. A
+    configuration at batch > 1 runs the round's share of ``batch_requests`` (default: ``requests``) in
+    one run, before or after the batch-1 block (alternating by round). A configuration's round wall is
+    the sum of its runs in the round."""
     max_new_tokens = plan.options.max_new_tokens
     by_round = rounds(len(requests), plan.options.round_size)
     batch_requests = requests if batch_requests is None else batch_requests
     by_batch_round = even_rounds(len(batch_requests), len(by_round))
+    single = [c for c in plan.configs if c.batch == 1]
+
+    def run(config: RunConfig, batch: list[Request], label: str) -> tuple[float, float]:
+        steps.say(f"turn {turn}, {label}: {config.key}")
+        meter = CpuMeter()
+        result = runners[config.key].run(config, [r[2] for r in batch], max_new_tokens)
+        c = collected[config.key]
+        for (rid, category, _), request in zip(batch, result.requests):
+            c.requests[rid] = (category, request)
+        c.calls.update(result.calls)
+        return result.wall_s, meter.other_share()
+
     for number, indices in enumerate(by_round):
-        for config in rotated(plan.configs, number):
-            source, share = (batch_requests, by_batch_round[number]) if config.batch > 1 else (requests, indices)
-            batch = [source[i] for i in share]
-            ids = [r[2] for r in batch]
-            steps.say(f"turn {turn}, round {number + 1}: {config.key}")
-            meter = CpuMeter()
-            result = runners[config.key].run(config, ids, max_new_tokens)
-            c = collected[config.key]
-            for (rid, category, _), request in zip(batch, result.requests):
-                c.requests[rid] = (category, request)
-            c.walls.append(result.wall_s)
-            c.other_cpu.append(meter.other_share())
-            c.calls.update(result.calls)
-            steps.step(f"turn {turn}, round {number + 1}: {config.key} done")
+        label = f"round {number + 1}"
+        blocks: list[RunConfig | None] = [None, *[c for c in plan.configs if c.batch > 1]]  # None: batch 1
+        for block in rotated(blocks, number):
+            if block is not None:
+                wall, other = run(block, [batch_requests[i] for i in by_batch_round[number]], label)
+                collected[block.key].walls.append(wall)
+                collected[block.key].other_cpu.append(other)
+                steps.step(f"turn {turn}, {label}: {block.key} done")
+                continue
+            walls: dict[str, list[tuple[float, float]]] = {c.key: [] for c in single}
+            for j, i in enumerate(indices):
+                for config in rotated(single, number + j):
+                    walls[config.key].append(run(config, [requests[i]], f"{label}, prompt {j + 1}/{len(indices)}"))
+            for config in single:
+                runs = walls[config.key]
+                collected[config.key].walls.append(sum(w for w, _ in runs))
+                collected[config.key].other_cpu.append(sum(w * o for w, o in runs) / max(sum(w for w, _ in runs), 1e-9))
+                steps.step(f"turn {turn}, {label}: {config.key} done")
 
 
 def run_timed(plan: BenchPlan, runners: dict[str, Runner], encode, steps: Steps) -> dict[str, Collected]:

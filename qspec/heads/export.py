@@ -256,15 +256,23 @@ def quantize_copy(model, bits: int):
 
 def store_float16(model) -> int:
     """Store every float32 initializer of ``FP16_MIN_ELEMENTS`` or more as float16 behind a ``Cast`` to
-    float32 (quantized weights' scales stay as they are); returns how many."""
+    float32 (quantized weights' scales stay as they are); returns how many.
+
+    A table only ``Gather`` reads (the target's embedding) is gathered as float16 and the rows cast:
+    the same values, and ONNX Runtime cannot fold a ``Cast`` of the whole table into a float32 copy
+    at load (``vocab x hidden x 4`` bytes, 113 MB for SmolLM2, in every head session)."""
     import onnx_ir as ir
 
     graph = model.graph
     first = next(iter(graph))
     count = 0
     for value in list(graph.initializers.values()):
-        users = {node.op_type for node, _ in value.uses()}
-        if value.dtype != ir.DataType.FLOAT or value.const_value.size < FP16_MIN_ELEMENTS or "MatMulNBits" in users:
+        uses = list(value.uses())
+        if (
+            value.dtype != ir.DataType.FLOAT
+            or value.const_value.size < FP16_MIN_ELEMENTS
+            or any(node.op_type == "MatMulNBits" for node, _ in uses)
+        ):
             continue
         half = value.const_value.numpy().astype(np.float16)
         stored = ir.Value(
@@ -274,13 +282,37 @@ def store_float16(model) -> int:
             const_value=ir.Tensor(half, name=f"{value.name}.fp16"),
         )
         graph.register_initializer(stored)
-        cast = ir.node("Cast", [stored], attributes={"to": ir.DataType.FLOAT})
-        graph.insert_before(first, cast)
-        value.replace_all_uses_with(cast.outputs[0])
+        if uses and all(node.op_type == "Gather" and index == 0 for node, index in uses):
+            for gather, _ in uses:
+                _cast_rows(graph, gather, stored)
+        else:
+            cast = ir.node("Cast", [stored], attributes={"to": ir.DataType.FLOAT})
+            graph.insert_before(first, cast)
+            value.replace_all_uses_with(cast.outputs[0])
+            cast.outputs[0].name = value.name
         graph.initializers.pop(value.name)
-        cast.outputs[0].name = value.name
         count += 1
     return count
+
+
+def _cast_rows(graph, gather, table) -> None:
+    """``gather`` reads ``table`` (float16) instead of its float32 copy; a ``Cast`` after it gives its
+    users the float32 rows under the name they read."""
+    import onnx_ir as ir
+
+    rows = gather.outputs[0]
+    users = list(rows.uses())
+    gather.replace_input_with(0, table)
+    cast = ir.node("Cast", [rows], attributes={"to": ir.DataType.FLOAT})
+    graph.insert_after(gather, cast)
+    for user, index in users:
+        user.replace_input_with(index, cast.outputs[0])
+    if rows.is_graph_output():
+        graph.outputs[graph.outputs.index(rows)] = cast.outputs[0]
+    name, rows.name = rows.name, f"{rows.name}.fp16"
+    cast.outputs[0].name = name
+    cast.outputs[0].type, cast.outputs[0].shape = rows.type, rows.shape
+    rows.type = ir.TensorType(ir.DataType.FLOAT16)
 
 
 def save(model, path: Path) -> None:

@@ -60,7 +60,7 @@ Progress = Callable[[str], None]
 EMBED_TOKENS = "model.embed_tokens.weight"  # the target graph's initializer names (Hugging Face's)
 LM_HEAD = "lm_head.weight"
 # Bump when the head's graphs change (they are built from the head's files and this): see head_digest.
-HEAD_RECIPE_VERSION = 3
+HEAD_RECIPE_VERSION = 4
 
 
 # Specializations -------------------------------------------------------------------------------------
