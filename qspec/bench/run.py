@@ -218,7 +218,7 @@ def run_phase(
 
     At batch 1 a round runs prompt by prompt, every configuration on one prompt before the next prompt
     (the order rotated by one each prompt and round): a configuration's runs of a prompt lie seconds
-    apart, so the machine's drift (this VM's calls vary by a third within minutes) hits them alike. A
+    apart, so the machine's drift hits them alike (docs/perf.md). A
     configuration at batch > 1 runs the round's share of ``batch_requests`` (default: ``requests``) in
     one run, before or after the batch-1 block (alternating by round). A configuration's round wall is
     the sum of its runs in the round."""

@@ -136,20 +136,18 @@ def qspec_main(
     conn, package: str, configs: list, num_threads: int | None, dispatch: str, draft_package: str | None
 ) -> None:
     """Child: load one package and an Engine per configuration on it (``RunConfig``), then answer
-    ``(config key, prompts, max_new_tokens)`` requests with ``([(tokens, text, metrics)], wall, calls)``.
+    ``(config key, prompts, batch, max_new_tokens)`` requests with ``([(tokens, text, metrics)], wall, calls)``.
 
     At batch 1 each prompt is its own ``generate`` call (TTFT without queueing); at batch B the
     prompts are one ``generate`` call (continuous batching: TTFT includes the wait for a slot).
     """
     try:
         from collections import Counter
-        from importlib.metadata import version
 
         from qspec.bench.runners import engine_knobs
         from qspec.runtime import Engine, SamplingParams
         from qspec.runtime.model import CompiledModel
 
-        begin = time.perf_counter()
         model = CompiledModel(package, num_threads=num_threads)
         draft = None if draft_package is None else Path(draft_package)
         engines = {
@@ -165,14 +163,7 @@ def qspec_main(
             )
             for config in configs
         }
-        first = next(iter(engines.values()))
-        conn.send(
-            {
-                "load_s": round(time.perf_counter() - begin, 2),
-                "versions": {"onnxruntime": version("onnxruntime")},
-                "eos_token_ids": sorted(first.eos_token_ids),
-            }
-        )
+        conn.send({"eos_token_ids": sorted(next(iter(engines.values())).eos_token_ids)})
         while True:
             message = conn.recv()
             if message == "stop":
