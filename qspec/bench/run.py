@@ -128,8 +128,9 @@ def start_baselines(plan: BenchPlan, baselines: list[Runner], steps: Steps) -> t
 
 
 def loaded_models(packages: dict[tuple[str, int], Path], num_threads: int | None) -> dict[tuple[str, int], Any]:
-    """The packages loaded in this process, for the micro-benchmark and the head replays (the timed rounds
-    run in each package's worker process); (weight format, max batch size) -> CompiledModel."""
+    """The packages loaded in this process, once, for the micro-benchmark and the head replays (the timed
+    rounds run in each package's worker process; these stay idle meanwhile); (weight format, max batch size)
+    -> CompiledModel."""
     from qspec.runtime.model import CompiledModel
 
     return {key: CompiledModel(package, num_threads=num_threads) for key, package in packages.items()}
@@ -227,6 +228,7 @@ def run_phase(
     batch_requests = requests if batch_requests is None else batch_requests
     by_batch_round = even_rounds(len(batch_requests), len(by_round))
     single = [c for c in plan.configs if c.batch == 1]
+    blocks: list[RunConfig | None] = [None, *[c for c in plan.configs if c.batch > 1]]  # None: the batch-1 block
 
     def run(config: RunConfig, batch: list[Request], label: str) -> tuple[float, float]:
         steps.say(f"turn {turn}, {label}: {config.key}")
@@ -240,7 +242,6 @@ def run_phase(
 
     for number, indices in enumerate(by_round):
         label = f"round {number + 1}"
-        blocks: list[RunConfig | None] = [None, *[c for c in plan.configs if c.batch > 1]]  # None: batch 1
         for block in rotated(blocks, number):
             if block is not None:
                 wall, other = run(block, [batch_requests[i] for i in by_batch_round[number]], label)
@@ -327,9 +328,9 @@ def _measure(plan: BenchPlan, packages: Packages, steps: Steps, laps: Laps) -> M
         plan, info, skipped = start_baselines(plan, baselines, steps)
         baselines = [r for r in baselines if r.backend in info]
         laps.lap("load_s")
-        micro = None
-        if options.micro_iterations:
-            micro = run_micro(loaded_models(packages.flat, options.num_threads), options, first_turns, steps)
+        wanted = options.micro_iterations or options.head_methods
+        models = loaded_models(packages.flat, options.num_threads) if wanted else {}
+        micro = run_micro(models, options, first_turns, steps)
         laps.lap("micro_s")
         runners = {c.key: r for r in [qspec, *baselines] for c in r.configs}
         missing = [c.key for c in plan.configs if c.key not in runners]
@@ -342,7 +343,6 @@ def _measure(plan: BenchPlan, packages: Packages, steps: Steps, laps: Laps) -> M
         head_replays = {}
         if options.head_methods:
             steps.say("replaying the draft heads along none's outputs (the speculation ceiling)")
-            models = loaded_models({k: v for k, v in packages.flat.items() if k[1] == 1}, options.num_threads)
             head_replays = head_replays_of(plan.configs, models, collected, prompts, micro)
             laps.lap("head_replay_s")
     finally:
