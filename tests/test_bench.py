@@ -352,6 +352,42 @@ def test_batch_configurations_run_more_prompts_in_one_run_per_round():
     ]
 
 
+def test_each_baseline_runs_beside_the_configurations_it_is_compared_with():
+    """A prompt's batch-1 runs: ONNX Runtime GenAI's greedy right after qspec's ``none`` of its format, its n-gram
+    among that format's speculative configurations, llama.cpp (no qspec format) last; run_phase uses this order."""
+    from qspec.bench.peers.runners import llama_cpp_configs, ort_genai_configs
+    from qspec.bench.plan import beside_baselines
+
+    options = quick_options(methods="pld,suffix", k_lists="0,4;0,1,2,4", batch_sizes="1,4", weight_formats="fp32,int4")
+    peers = [
+        *ort_genai_configs("fp32").values(),
+        *ort_genai_configs("int4").values(),
+        *llama_cpp_configs("SmolLM2-135M-Instruct.Q4_1.gguf").values(),
+    ]
+    single = [c for c in plan_configs(options) + peers if c.batch == 1]
+    assert [c.key for c in beside_baselines(single)] == [
+        "none@1",
+        "transformers@1",
+        "ort-genai-fp32@1",
+        "pld[0,4]@1",
+        "pld[0,1,2,4]@1",
+        "transformers-pld[4]@1",
+        "ort-genai-fp32-ngram[4]@1",
+        "suffix[0,4]@1",
+        "suffix[0,1,2,4]@1",
+        "none-int4@1",
+        "ort-genai-int4@1",
+        "pld[0,4]-int4@1",
+        "pld[0,1,2,4]-int4@1",
+        "ort-genai-int4-ngram[4]@1",
+        "suffix[0,4]-int4@1",
+        "suffix[0,1,2,4]-int4@1",
+        "llama.cpp-q4_1@1",
+        "llama.cpp-q4_1-pld[4]@1",
+    ]
+    assert sorted(c.key for c in beside_baselines(single)) == sorted(c.key for c in single)
+
+
 def test_plan_takes_more_prompts_at_batch_above_one(tiny_model, prompts_file):
     """``batch_per_category`` picks the first N of each category for batch > 1 (never fewer than batch 1's)."""
     from qspec.bench.run import make_plan

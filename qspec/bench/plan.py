@@ -92,6 +92,30 @@ def plan_configs(options: BenchOptions, *, draft_slots: int | None = None) -> li
     return configs
 
 
+def beside_baselines(configs: Sequence[RunConfig]) -> list[RunConfig]:
+    """Batch-1 ``configs`` in the order a prompt runs them: each baseline among the qspec configurations it is
+    compared with, so that the per-prompt rotation (:func:`rotated`) keeps them seconds apart.
+
+    Per qspec weight format, in the order given: its ``none``, the greedy baselines of that format (ONNX Runtime
+    GenAI's greedy beside qspec's ``none``), the first half of its speculative configurations, the speculative
+    baselines of that format (a peer's n-gram), the second half. Baselines of a format qspec does not run
+    (llama.cpp's GGUF type) come last. Example: ``none``, ``transformers``, ``ort-genai-fp32``, ``pld[0,4]``,
+    ``transformers-pld[4]``, ``ort-genai-fp32-ngram[4]``, ``eagle[0,4]``, ``none-int4``, ``ort-genai-int4``, ...
+    """
+    ours = [c for c in configs if not c.baseline]
+    theirs = [c for c in configs if c.baseline]
+    order: list[RunConfig] = []
+    for weight_format in dict.fromkeys(c.weight_format for c in ours):
+        own = [c for c in ours if c.weight_format == weight_format]
+        nones = [c for c in own if c.method == "none"]
+        speculative = [c for c in own if c.method != "none"]
+        greedy = [c for c in theirs if c.weight_format == weight_format and not c.ks]
+        drafting = [c for c in theirs if c.weight_format == weight_format and c.ks]
+        half = (len(speculative) + 1) // 2
+        order += [*nones, *greedy, *speculative[:half], *drafting, *speculative[half:]]
+    return order + [c for c in theirs if c not in order]
+
+
 def rotated(items: Sequence, by: int) -> list:
     """``items`` rotated left by ``by``: ``rotated([a, b, c], 1) == [b, c, a]``."""
     if not items:

@@ -25,7 +25,17 @@ from qspec.bench.micro import head_micro_benchmark, micro_benchmark, prefill_swe
 from qspec.bench.options import BenchOptions, quick_options
 from qspec.bench.packages import Packages, ResolvedModel, compile_packages, package_count, resolve_model
 from qspec.bench.peers import PeerPlan, PeerUnavailable, plan_peers
-from qspec.bench.plan import TRANSFORMERS, Progress, RunConfig, Steps, none_config, plan_configs, rotated, rounds
+from qspec.bench.plan import (
+    TRANSFORMERS,
+    Progress,
+    RunConfig,
+    Steps,
+    beside_baselines,
+    none_config,
+    plan_configs,
+    rotated,
+    rounds,
+)
 from qspec.bench.report import BenchReport, MachineInfo, MemoryReport, Meta, MicroReport, RunnerInfo, Skipped
 from qspec.bench.runners import QspecRunner, Runner, TransformersRunner
 from qspec.errors import ConfigError
@@ -218,7 +228,8 @@ def run_phase(
     """Every configuration on every round of ``requests``, interleaved as finely as each batch size allows.
 
     At batch 1 a round runs prompt by prompt, every configuration on one prompt before the next prompt
-    (the order rotated by one each prompt and round): a configuration's runs of a prompt lie seconds
+    (the order rotated by one each prompt and round, each baseline beside the configurations it is compared
+    with: :func:`~qspec.bench.plan.beside_baselines`): a configuration's runs of a prompt lie seconds
     apart, so the machine's drift hits them alike (docs/perf.md). A
     configuration at batch > 1 runs the round's share of ``batch_requests`` (default: ``requests``) in
     one run, before or after the batch-1 block (alternating by round). A configuration's round wall is
@@ -227,7 +238,7 @@ def run_phase(
     by_round = rounds(len(requests), plan.options.round_size)
     batch_requests = requests if batch_requests is None else batch_requests
     by_batch_round = even_rounds(len(batch_requests), len(by_round))
-    single = [c for c in plan.configs if c.batch == 1]
+    single = beside_baselines([c for c in plan.configs if c.batch == 1])
     blocks: list[RunConfig | None] = [None, *[c for c in plan.configs if c.batch > 1]]  # None: the batch-1 block
 
     def run(config: RunConfig, batch: list[Request], label: str) -> tuple[float, float]:
