@@ -43,6 +43,7 @@ TARGET_HEAD_BATCH4_SPEEDUP = 1.3  # head variable K / none requests/s at batch 4
 # the decode step's goal before head drafts, and with them.
 TARGET_FASTEST_VS_PEER = {"decode step": 1.1, "with head drafts": 1.3}
 TARGET_VS_PEER_GREEDY_INT4 = 0.95  # qspec int4 none / ONNX Runtime GenAI int4 greedy (the decode step's goal)
+TARGET_HOST_SHARE = 0.05  # qspec none's host time (outside the target's calls) / its decode step, batch 1
 
 
 class Target(BaseModel):
@@ -138,6 +139,7 @@ def evaluate_targets(
         value = _tokens_ratio(s, hf_pld)
         targets.append(_at_least(f"qspec {s.name} vs transformers prompt lookup, tokens/s", value, TARGET_VS_HF_LOOKUP))
     targets += _peer_targets(by_key, [s for s in variable if s.batch == 1 and s.method == "pld"])
+    targets += [_host_target(s) for s in summaries if s.backend == QSPEC and s.method == "none" and s.batch == 1]
     targets += _head_targets(by_key, variable)
     for s in [s for s in variable if s.batch == 4 and s.method == "pld"]:
         targets.append(
@@ -164,6 +166,16 @@ def evaluate_targets(
     targets += _micro_targets(micro)
     targets.append(_memory_target(memory))
     return targets
+
+
+def _host_target(s: ConfigSummary) -> Target:
+    """The host's share of a decode step of ``none`` (the engine's Python around the target's calls)."""
+    host = s.overall.host
+    name, goal = f"qspec {s.name} host time per decode step (batch 1)", f"<= {TARGET_HOST_SHARE:.0%} of a step"
+    if host is None:
+        return _target(name, goal, "not timed", None)
+    ms, share = host
+    return _target(name, goal, f"{share:.1%} ({ms:.2f} ms)", share <= TARGET_HOST_SHARE)
 
 
 def _micro_targets(micro: MicroReport | None) -> list[Target]:

@@ -121,8 +121,11 @@ def test_report_files_and_configs(bench_run):
         "## Weight formats (batch 1)",
         "## One call per specialization",
         "## Memory",
+        "## Host time per decode step",
     ):
         assert heading in markdown
+    host_ms, share = none.overall.host  # a qspec engine says where its wall time went, a baseline does not
+    assert host_ms > 0 and 0 < share < 1 and report.config("transformers@1").overall.host is None
 
 
 def test_peers_not_installed_are_skipped_with_the_reason(bench_run):
@@ -188,6 +191,8 @@ def test_report_has_micro_and_memory_and_targets_read_it(bench_run, tmp_path):
     targets = bench_targets().evaluate_targets(report.configs, report.memory, report.micro)
     assert all(t.status in ("PASS", "MISS", "n/a") for t in targets)
     assert any("peak RSS" in t.target and t.status != "n/a" for t in targets)
+    host = [t for t in targets if "host time per decode step" in t.target]
+    assert [t.target.split()[1] for t in host] == ["none", "none-int4"] and all(t.status != "n/a" for t in host)
     assert not any(t.target.startswith("K=4 call, bucket 256") for t in targets)  # no 256 bucket here
     markdown = tmp_path / "report.md"
     assert bench_targets().main([str(folder / "report.json"), "--markdown", str(markdown)]) == 0

@@ -9,6 +9,7 @@ import pytest
 from qspec.compile import CompileOptions, compile_package
 from qspec.errors import ConfigError, PackageError, PromptTooLongError
 from qspec.runtime import Engine, SamplingParams, pick_k
+from qspec.runtime.metrics import host_per_step
 from qspec.specializations import make_config
 
 CTX = 64
@@ -234,6 +235,12 @@ def test_metrics_are_consistent(packages):
     assert 0 < m.acceptance_rate <= 1
     assert m.mean_accepted_tokens == pytest.approx((m.accepted + m.sequence_calls) / m.sequence_calls, abs=1e-3)
     assert m.output_tokens == 20 * len(PROMPTS)
+    # Where the wall time went: the target's prefill and decode calls, drafting; the host has the rest.
+    assert set(m.seconds) == {"prefill", "decode", "propose"}
+    assert m.seconds["prefill"] > 0 and m.seconds["decode"] > 0 and m.seconds["propose"] > 0
+    assert sum(m.seconds.values()) < m.wall_s
+    host_ms, share = host_per_step(m.wall_s, m.calls, m.seconds)
+    assert host_ms > 0 and 0 < share < 1
 
 
 def test_subset_of_ks_and_unknown_method(packages):

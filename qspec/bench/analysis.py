@@ -45,6 +45,7 @@ class Collected:
     walls: list[float] = field(default_factory=list)
     other_cpu: list[float] = field(default_factory=list)  # other processes' CPU share during each round
     calls: Counter = field(default_factory=Counter)
+    seconds: Counter = field(default_factory=Counter)  # where the engine's wall time went (EngineMetrics.seconds)
 
     def tokens(self) -> dict[str, list[int]]:
         return {rid: result.tokens for rid, (_, result) in self.requests.items()}
@@ -111,7 +112,7 @@ def summarize(collected: Collected, *, peak_rss_mb: float | None = None) -> Conf
     """Overall metrics (``EngineMetrics`` fields, calls per K) and the per-category table."""
     config = collected.config
     metrics = [result.metrics for _, result in collected.requests.values()]
-    engine = aggregate(metrics, sum(collected.walls), dict(collected.calls))
+    engine = aggregate(metrics, sum(collected.walls), dict(collected.calls), dict(collected.seconds))
     # transformers does not say how many tokens it proposed (a peer does): no acceptance rate then.
     proposed = any(result.metrics.proposed for _, result in collected.requests.values())
     overall = Overall.from_metrics(engine, proposals_known=not config.baseline or proposed)

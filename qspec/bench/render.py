@@ -135,6 +135,33 @@ def _acceptance(report: BenchReport) -> list[str]:
     return lines + table(header + [f"draft {i + 1}" for i in range(depth)], rows)
 
 
+def _host(report: BenchReport) -> list[str]:
+    """Where a decode step of each qspec configuration went: the target's call, drafting, the host's Python."""
+    timed = [s for s in report.configs if s.overall.host is not None]
+    if not timed:
+        return []
+    rows = []
+    for s in timed:
+        o = s.overall
+        steps = sum(n for k, n in o.calls.items() if k != "prefill")
+        host_ms, share = o.host
+        target, drafting = (o.seconds.get(part, 0.0) * 1000 / steps for part in ("decode", "propose"))
+        step = (o.wall_s - o.seconds.get("prefill", 0.0)) * 1000 / steps
+        rows.append([s.key, s.weight_format, steps, step, target, drafting, host_ms, f"{share:.1%}"])
+    lines = [
+        "",
+        "## Host time per decode step",
+        "",
+        "ms per decode step (wall time outside prefill calls / decode calls): inside the target's call, drafting "
+        "(the proposer, a head's calls included) and the host's share (the rest: the engine's dispatch, acceptance, "
+        "detokenizing and loop).",
+        "",
+    ]
+    header = ["config@batch", "weights", "decode steps", "step ms", "target call ms", "drafting ms", "host ms"]
+    header.append("host share")
+    return lines + table(header, rows)
+
+
 def _categories(report: BenchReport, batch: int) -> list[str]:
     group = [s for s in report.configs if s.batch == batch]
     categories = sorted({c for s in group for c in s.per_category})
@@ -344,7 +371,7 @@ def _peers(report: BenchReport) -> list[str]:
 def render_markdown(report: BenchReport) -> str:
     """``report.md``: the tables of the report."""
     lines = _header(report) + _equality(report) + _configs(report) + _acceptance(report) + _formats(report)
-    lines += _ceilings(report) + _peers(report)
+    lines += _ceilings(report) + _peers(report) + _host(report)
     for batch in report.meta.options.batch_sizes:
         lines += _categories(report, batch)
     return "\n".join(lines + micro_sections(report) + _memory(report)) + "\n"

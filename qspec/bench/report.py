@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from qspec.bench.options import BenchOptions
-from qspec.runtime.metrics import EngineMetrics
+from qspec.runtime.metrics import EngineMetrics, host_per_step
 
 if TYPE_CHECKING:
     from qspec.bench.plan import RunConfig
@@ -47,6 +47,12 @@ class Overall(ReportModel):
     acceptance_per_position: list[float | None] = []
     ratio_to_none: float | None = None  # requests/s against none at the same batch size
     peak_rss_mb: float | None = None
+    seconds: dict[str, float] = {}  # where a qspec engine's wall time went (EngineMetrics.seconds)
+
+    @property
+    def host(self) -> tuple[float, float] | None:
+        """``(ms, share)`` of a decode step outside the target's calls and the proposer (None for a baseline)."""
+        return host_per_step(self.wall_s, self.calls, self.seconds)
 
     @property
     def tokens_per_drafted_call(self) -> float | None:

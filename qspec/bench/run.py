@@ -249,6 +249,7 @@ def run_phase(
         for (rid, category, _), request in zip(batch, result.requests):
             c.requests[rid] = (category, request)
         c.calls.update(result.calls)
+        c.seconds.update(result.seconds)
         return result.wall_s, meter.other_share()
 
     for number, indices in enumerate(by_round):

@@ -35,11 +35,13 @@ class RequestResult:
 
 @dataclass(frozen=True)
 class RoundResult:
-    """One configuration on one round: a result per prompt (in order), the wall time, calls per kind."""
+    """One configuration on one round: a result per prompt (in order), the wall time, calls per kind and
+    (a qspec engine) where its wall time went."""
 
     requests: list[RequestResult]
     wall_s: float
     calls: Counter = field(default_factory=Counter)  # "prefill" and one entry per K (a baseline: "forward")
+    seconds: Counter = field(default_factory=Counter)  # EngineMetrics.seconds; empty for a baseline
 
 
 class Runner(ABC):
@@ -122,8 +124,8 @@ class QspecRunner(Runner):
 
     def run(self, config: RunConfig, prompts: list[list[int]], max_new_tokens: int) -> RoundResult:
         worker = self.workers[config.weight_format, config.batch]
-        answers, wall, calls = worker.ask(config.key, (config.key, prompts, config.batch, max_new_tokens))
-        return RoundResult([RequestResult(*answer) for answer in answers], wall, calls)
+        answers, wall, calls, seconds = worker.ask(config.key, (config.key, prompts, config.batch, max_new_tokens))
+        return RoundResult([RequestResult(*answer) for answer in answers], wall, calls, seconds)
 
     def stop(self) -> float | None:
         """Stop the packages' processes; None: each configuration's peak RSS is its memory probe's."""

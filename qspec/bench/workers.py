@@ -136,7 +136,8 @@ def qspec_main(
     conn, package: str, configs: list, num_threads: int | None, dispatch: str, draft_package: str | None
 ) -> None:
     """Child: load one package and an Engine per configuration on it (``RunConfig``), then answer
-    ``(config key, prompts, batch, max_new_tokens)`` requests with ``([(tokens, text, metrics)], wall, calls)``.
+    ``(config key, prompts, batch, max_new_tokens)`` requests with ``([(tokens, text, metrics)], wall, calls,
+    seconds)`` (seconds: the engine's timings, :class:`~qspec.runtime.metrics.EngineMetrics`).
 
     At batch 1 each prompt is its own ``generate`` call (TTFT without queueing); at batch B the
     prompts are one ``generate`` call (continuous batching: TTFT includes the wait for a slot).
@@ -172,13 +173,14 @@ def qspec_main(
             key, prompts, batch, max_new_tokens = message
             engine = engines[key]
             params = SamplingParams(max_new_tokens=max_new_tokens)
-            results, wall, calls = [], 0.0, Counter()
+            results, wall, calls, seconds = [], 0.0, Counter(), Counter()
             for group in [[p] for p in prompts] if batch == 1 else [prompts]:
                 outputs = engine.generate(group, params)
                 results += [(list(o.token_ids), o.text, o.metrics) for o in outputs]
                 wall += engine.last_metrics.wall_s
                 calls.update(engine.last_metrics.calls)
-            conn.send((results, wall, calls))
+                seconds.update(engine.last_metrics.seconds)
+            conn.send((results, wall, calls, seconds))
     except Exception as exc:  # sent to the parent, which raises it as a BenchError
         conn.send({"error": f"qspec engine on {package}: {type(exc).__name__}: {exc}"})
     finally:

@@ -138,6 +138,7 @@ class Engine:
         check_mode(dispatch)
         self.last_metrics: EngineMetrics | None = None
         self.calls: dict[Any, int] = {"prefill": 0, **{k: 0 for k in self.ks}}  # since load
+        self.seconds = dict.fromkeys(("prefill", "decode", "propose"), 0.0)  # since load (EngineMetrics.seconds)
         self._waiting: deque[SequenceState] = deque()
         self._slots: list[SequenceState | None] = [None] * self.num_slots
         # Admitted while other rows decode: their prompts go a chunk per decode call (mixed calls).
@@ -164,7 +165,9 @@ class Engine:
         if self.proposer.wants_hidden_states:
             on_hidden = lambda i, start, hidden: self.proposer.observe_hidden(group[i].index, start, hidden)  # noqa: E731
         first = lambda i, logits: self._first_token(group[i], logits)  # noqa: E731
+        begin = time.perf_counter()
         self.calls["prefill"] += run_prefill(self.model, rows, first, on_hidden)
+        self.seconds["prefill"] += time.perf_counter() - begin
 
     def _first_token(self, seq: SequenceState, logits: np.ndarray) -> None:
         """The prompt is in the cache: sample the first token from ``logits`` [1, vocab] after it."""
@@ -185,7 +188,9 @@ class Engine:
     def propose(self, live: list[SequenceState]) -> list[Proposal]:
         """A proposal for every live sequence, each cut to its :meth:`draft_cap`."""
         caps = [self.draft_cap(seq) for seq in live]
+        begin = time.perf_counter()
         proposals = self.proposer.propose_batch([(seq.index, cap) for seq, cap in zip(live, caps)])
+        self.seconds["propose"] += time.perf_counter() - begin
         return [proposal.cut(cap) for proposal, cap in zip(proposals, caps)]
 
     def verify(
@@ -216,9 +221,11 @@ class Engine:
         self.mixed_calls += bool(chunks)
         begin = time.perf_counter()
         logits = self.model.run(bound)
+        took = time.perf_counter() - begin
+        self.seconds["decode"] += took
         if not chunks:  # a chunk's tokens are not K's price
             live = sum(len(drafts) + 1 for _, drafts in batch)
-            self.dispatcher.observe_call(k, (time.perf_counter() - begin) * 1000, live)
+            self.dispatcher.observe_call(k, took * 1000, live)
         return logits, bound.hidden_states
 
     def accept(self, seq: SequenceState, proposal: Proposal, logits: np.ndarray) -> list[int]:
@@ -414,7 +421,7 @@ class Engine:
         encoded = [self.tokenizer.encode_prompt(p, chat=chat) for p in prompts]
         for i, (ids, p) in enumerate(zip(encoded, params)):
             check_fits(f"prompt {i}", ids, self.model.ctx_len, new_tokens=p.max_new_tokens)
-        calls_before = dict(self.calls)
+        calls_before, seconds_before = dict(self.calls), dict(self.seconds)
         start = time.perf_counter()
         order = {self.add_request(ids, p, arrival=start): i for i, (ids, p) in enumerate(zip(encoded, params))}
         outputs: list[RequestOutput | None] = [None] * len(order)
@@ -434,5 +441,6 @@ class Engine:
             self._drain()
         wall = time.perf_counter() - start
         calls = {k: n - calls_before[k] for k, n in self.calls.items()}
-        self.last_metrics = aggregate([o.metrics for o in outputs], wall, calls)
+        seconds = {part: s - seconds_before[part] for part, s in self.seconds.items()}
+        self.last_metrics = aggregate([o.metrics for o in outputs], wall, calls, seconds)
         return outputs

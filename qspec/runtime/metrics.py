@@ -7,7 +7,10 @@
   (proposed at least i drafts and had the first i - 1 accepted) whose draft i was accepted. Two calls,
   3 drafts with 1 accepted and 2 drafts with 2 accepted: reached ``[2, 2, 0]``, accepted ``[2, 1, 0]``,
   rates ``[1.0, 0.5, None]`` (:func:`acceptance_per_position`);
-- calls per K: decode calls of each compiled specialization.
+- calls per K: decode calls of each compiled specialization;
+- seconds: where the wall time went: ``prefill`` (the prompts' calls, each first token included), ``decode``
+  (inside the target's decode calls) and ``propose`` (the proposer's drafting, a head's calls included); the
+  rest is the host's (the engine's Python: dispatch, acceptance, detokenizing), :func:`host_per_step`.
 """
 
 from __future__ import annotations
@@ -136,13 +139,28 @@ class EngineMetrics:
     reached_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     acceptance_per_position: list[float | None] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)  # "prefill", "decode", "propose" (module doc)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
 
-def aggregate(metrics: list[RequestMetrics], wall_s: float, calls: dict) -> EngineMetrics:
-    """Totals and medians over ``metrics``; rates over the wall time of the whole run."""
+def host_per_step(wall_s: float, calls: dict, seconds: dict) -> tuple[float, float] | None:
+    """``(host ms per decode step, host share of a decode step)``: the wall time outside the target's calls
+    and the proposer, over the decode calls; a step is the wall time outside prefill calls over the same
+    calls. None without decode calls or timings. 10 s of wall, 1 s prefill, 8 s decode calls, 0.5 s
+    proposing, 1,000 decode calls: 0.5 ms a step, 0.5 / 9 = 5.6 % of a step."""
+    steps = sum(n for k, n in calls.items() if str(k) != "prefill")
+    if not steps or not seconds:
+        return None
+    host = wall_s - sum(seconds.get(part, 0.0) for part in ("prefill", "decode", "propose"))
+    step = wall_s - seconds.get("prefill", 0.0)
+    return host * 1000 / steps, host / step if step > 0 else 0.0
+
+
+def aggregate(metrics: list[RequestMetrics], wall_s: float, calls: dict, seconds: dict | None = None) -> EngineMetrics:
+    """Totals and medians over ``metrics``; rates over the wall time of the whole run; ``seconds``: where it went
+    (the engine's timings, see the module doc)."""
     tokens = sum(m.output_tokens for m in metrics)
     proposed = sum(m.proposed for m in metrics)
     accepted = sum(m.accepted for m in metrics)
@@ -170,4 +188,5 @@ def aggregate(metrics: list[RequestMetrics], wall_s: float, calls: dict) -> Engi
         reached_per_position=reached,
         accepted_per_position=accepted_at,
         acceptance_per_position=acceptance_per_position(reached, accepted_at),
+        seconds={part: round(value, 4) for part, value in (seconds or {}).items()},
     )
