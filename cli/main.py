@@ -103,6 +103,10 @@ def compile(
         Optional[Path],
         typer.Option(help="A draft head checkpoint folder (EAGLE-1, Medusa or QEfficient turbo) to compile in."),
     ] = None,
+    draft_head_weight_format: Annotated[
+        Optional[str],
+        typer.Option(help="ort: the draft head's MatMul weights, fp32, int8 or int4 (default: int8 beside fp32)."),
+    ] = None,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Package directory to write.")] = None,
     force: Annotated[bool, typer.Option(help="Rebuild even if an identical package exists.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the manifest summary as JSON.")] = False,
@@ -148,6 +152,7 @@ def compile(
             weight_format=weight_format,
             hidden_states=hidden_states,
             draft_head=str(draft_head) if draft_head else None,
+            draft_head_weight_format=draft_head_weight_format,
         )
         with status("compiling") as say:
             folder, manifest, reused = compile_package(

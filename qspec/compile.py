@@ -69,6 +69,17 @@ class CompileOptions(FrozenModel):
     weight_format: WeightFormat = "fp32"  # MatMul weights of the runtime graph (backend ort)
     hidden_states: bool = False  # the graphs also return the final-norm hidden states (draft heads read them)
     draft_head: str | None = None  # a draft head checkpoint folder (EAGLE-1, Medusa, turbo): PACKAGE/head/
+    draft_head_weight_format: WeightFormat | None = None  # the head's runtime-graph MatMuls; None: head_weight_format
+
+    @property
+    def head_weight_format(self) -> WeightFormat:
+        """The draft head's MatMul weights in its runtime graph: as asked, else int8 beside an fp32 target on the ort
+        backend (a head call reads its weights from memory after every target call: fp32's 26 MB made drafting
+        12 % of an fp32 SmolLM2 step, int8 halves it for about 1 % fewer tokens a step; docs/heads.md), else the
+        target's format. Drafts never change greedy output, whatever their weights."""
+        if self.draft_head_weight_format is not None:
+            return self.draft_head_weight_format
+        return "int8" if self.weight_format == "fp32" and self.backend == "ort" else self.weight_format
 
     @property
     def exports_hidden_states(self) -> bool:
@@ -82,6 +93,17 @@ class CompileOptions(FrozenModel):
                 f"weight_format {self.weight_format} is for the ort backend; the qaic backend compiles the "
                 "fp32 graph and compresses weights itself: use --mxfp6-matmul"
             )
+        if self.backend == "qaic" and self.draft_head_weight_format not in (None, "fp32"):
+            raise ValueError(
+                f"draft_head_weight_format {self.draft_head_weight_format} is for the ort backend; the qaic backend "
+                "compiles the head's fp32 graph and compresses weights itself"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _head_format_needs_a_head(self) -> CompileOptions:
+        if self.draft_head_weight_format is not None and self.draft_head is None:
+            raise ValueError("draft_head_weight_format is the draft head's: give --draft-head too, or drop it")
         return self
 
     @model_validator(mode="after")
@@ -133,7 +155,7 @@ def _inputs_key(digest: str, options: CompileOptions) -> str:
 
     # The vendor options shape only a qaic package: an ort package is reused whatever they say. A draft
     # head counts by its content (below), not its path.
-    exclude = {"draft_head"} | ({"qaic"} if options.backend != "qaic" else set())
+    exclude = {"draft_head", "draft_head_weight_format"} | ({"qaic"} if options.backend != "qaic" else set())
     payload = json.dumps(
         {
             "digest": digest,
@@ -143,7 +165,11 @@ def _inputs_key(digest: str, options: CompileOptions) -> str:
             "runtime_graph_recipe": RECIPE_VERSION,
             "mdp_config": _file_digest(options.qaic.mdp_config) if options.backend == "qaic" else None,
         }
-        | ({"draft_head": _head_digest(options.draft_head)} if options.draft_head else {})
+        | (
+            {"draft_head": _head_digest(options.draft_head), "head_weight_format": options.head_weight_format}
+            if options.draft_head
+            else {}
+        )
     )
     return hashlib.sha256(payload.encode()).hexdigest()[:24]
 
@@ -299,7 +325,7 @@ def _add_draft_head(
         folder,
         config=config,
         target_fingerprint=target_fingerprint,
-        weight_format=options.weight_format,
+        weight_format=options.head_weight_format,
         backend=options.backend,
         spec_format=options.spec_format,
         qaic=options.qaic,

@@ -371,6 +371,7 @@ def test_compile_package_with_draft_head(tiny_model, tmp_path):
     options = CompileOptions(
         specialization=make_config(num_speculative_tokens="0,2", prefill_seq_len=8, ctx_len=64),
         draft_head=str(tmp_path / "head"),
+        draft_head_weight_format="fp32",  # the torch head's numbers, not a quantized copy's
     )
     package, manifest, _ = compile_package(model_dir, options, output=tmp_path / "pkg")
     head_info = head_manifest.read_head_manifest(package)
@@ -385,6 +386,33 @@ def test_compile_package_with_draft_head(tiny_model, tmp_path):
     np.testing.assert_allclose(logits[:, 0], want[:, 2].numpy(), rtol=1e-4, atol=1e-4)
     again = CompileOptions(specialization=options.specialization)
     assert compile_package(model_dir, again, output=tmp_path / "pkg")[2] is False  # the head is part of the key
+
+
+def test_the_head_beside_an_fp32_target_is_int8_unless_asked(tiny_model, tmp_path):
+    """By default an fp32 package's head runs int8 MatMuls (its weights are read from memory after every target
+    call); an int4 package's head is int4; ``draft_head_weight_format`` overrides, and is part of the package's key."""
+    from transformers import AutoModelForCausalLM
+
+    from qspec.compile import CompileOptions, compile_package
+
+    model_dir = tiny_model("llama")
+    target = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    modules.save_eagle(randomize(modules.eagle_from_target(target)), tmp_path / "head")
+    spec = make_config(num_speculative_tokens="0,2", prefill_seq_len=8, ctx_len=64)
+    head = str(tmp_path / "head")
+    default = CompileOptions(specialization=spec, draft_head=head)
+    assert default.head_weight_format == "int8"
+    assert CompileOptions(specialization=spec, draft_head=head, weight_format="int4").head_weight_format == "int4"
+    package, _, _ = compile_package(model_dir, default, output=tmp_path / "pkg")
+    info = head_manifest.read_head_manifest(package)
+    assert info.weight_format == "int8" and info.quantized_matmuls > 0
+    asked = CompileOptions(specialization=spec, draft_head=head, draft_head_weight_format="fp32")
+    package, _, reused = compile_package(model_dir, asked, output=tmp_path / "pkg")
+    assert not reused and head_manifest.read_head_manifest(package).weight_format == "fp32"
+    with pytest.raises(ValueError, match="give --draft-head too"):
+        CompileOptions(specialization=spec, draft_head_weight_format="int4")
+    with pytest.raises(ValueError, match="for the ort backend"):
+        CompileOptions(specialization=spec, draft_head=head, draft_head_weight_format="int4", backend="qaic")
 
 
 def test_symbolic_dims_are_the_specialization_keys(eagle_package, tmp_path):
