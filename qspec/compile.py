@@ -74,9 +74,8 @@ class CompileOptions(FrozenModel):
     @property
     def head_weight_format(self) -> WeightFormat:
         """The draft head's MatMul weights in its runtime graph: as asked, else int8 beside an fp32 target on the ort
-        backend (a head call reads its weights from memory after every target call: fp32's 26 MB made drafting
-        12 % of an fp32 SmolLM2 step, int8 halves it for about 1 % fewer tokens a step; docs/heads.md), else the
-        target's format. Drafts never change greedy output, whatever their weights."""
+        backend (a head call reads its weights from memory after every target call; docs/heads.md compares the
+        formats), else the target's format. Drafts never change greedy output, whatever their weights."""
         if self.draft_head_weight_format is not None:
             return self.draft_head_weight_format
         return "int8" if self.weight_format == "fp32" and self.backend == "ort" else self.weight_format
