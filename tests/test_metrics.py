@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from qspec.runtime.metrics import RequestMetrics, acceptance_per_position, aggregate, host_per_step, sum_positions
+from qspec.runtime.metrics import RequestMetrics, acceptance_per_position, aggregate, step_times, sum_positions
 
 
 def test_positions_count_the_calls_that_reached_each_draft():
@@ -44,8 +44,9 @@ def test_host_time_is_the_wall_outside_the_calls_and_drafting_per_decode_step():
     """10 s of wall, 1 s prefill, 8 s in decode calls, 0.5 s drafting over 1,000 decode calls: 0.5 ms a step,
     0.5 / 9 of a step's time. Without decode calls or timings (a baseline) there is nothing to say."""
     seconds = {"prefill": 1.0, "decode": 8.0, "propose": 0.5}
-    ms, share = host_per_step(10.0, {"prefill": 4, "0": 600, "4": 400}, seconds)
-    assert ms == pytest.approx(0.5) and share == pytest.approx(0.5 / 9)
-    assert host_per_step(10.0, {"prefill": 4}, seconds) is None
-    assert host_per_step(10.0, {"forward": 100}, {}) is None
+    step = step_times(10.0, {"prefill": 4, "0": 600, "4": 400}, seconds)
+    assert step.host_ms == pytest.approx(0.5) and step.host_share == pytest.approx(0.5 / 9)
+    assert (step.steps, step.step_ms, step.target_ms, step.drafting_ms) == pytest.approx((1000, 9.0, 8.0, 0.5))
+    assert step_times(10.0, {"prefill": 4}, seconds) is None
+    assert step_times(10.0, {"forward": 100}, {}) is None
     assert aggregate([], 1.0, {}, seconds).seconds == seconds

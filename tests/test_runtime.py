@@ -9,7 +9,7 @@ import pytest
 from qspec.compile import CompileOptions, compile_package
 from qspec.errors import ConfigError, PackageError, PromptTooLongError
 from qspec.runtime import Engine, SamplingParams, pick_k
-from qspec.runtime.metrics import host_per_step
+from qspec.runtime.metrics import step_times
 from qspec.specializations import make_config
 
 CTX = 64
@@ -239,8 +239,8 @@ def test_metrics_are_consistent(packages):
     assert set(m.seconds) == {"prefill", "decode", "propose"}
     assert m.seconds["prefill"] > 0 and m.seconds["decode"] > 0 and m.seconds["propose"] > 0
     assert sum(m.seconds.values()) < m.wall_s
-    host_ms, share = host_per_step(m.wall_s, m.calls, m.seconds)
-    assert host_ms > 0 and 0 < share < 1
+    step = step_times(m.wall_s, m.calls, m.seconds)
+    assert step.host_ms > 0 and 0 < step.host_share < 1
 
 
 def test_subset_of_ks_and_unknown_method(packages):

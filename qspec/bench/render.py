@@ -137,17 +137,13 @@ def _acceptance(report: BenchReport) -> list[str]:
 
 def _host(report: BenchReport) -> list[str]:
     """Where a decode step of each qspec configuration went: the target's call, drafting, the host's Python."""
-    timed = [s for s in report.configs if s.overall.host is not None]
+    timed = [(s, t) for s in report.configs if (t := s.overall.step) is not None]
     if not timed:
         return []
-    rows = []
-    for s in timed:
-        o = s.overall
-        steps = sum(n for k, n in o.calls.items() if k != "prefill")
-        host_ms, share = o.host
-        target, drafting = (o.seconds.get(part, 0.0) * 1000 / steps for part in ("decode", "propose"))
-        step = (o.wall_s - o.seconds.get("prefill", 0.0)) * 1000 / steps
-        rows.append([s.key, s.weight_format, steps, step, target, drafting, host_ms, f"{share:.1%}"])
+    rows = [
+        [s.key, s.weight_format, t.steps, t.step_ms, t.target_ms, t.drafting_ms, t.host_ms, f"{t.host_share:.1%}"]
+        for s, t in timed
+    ]
     lines = [
         "",
         "## Host time per decode step",

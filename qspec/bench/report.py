@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from qspec.bench.options import BenchOptions
-from qspec.runtime.metrics import EngineMetrics, host_per_step
+from qspec.runtime.metrics import EngineMetrics, StepTimes, step_times
 
 if TYPE_CHECKING:
     from qspec.bench.plan import RunConfig
@@ -50,9 +50,9 @@ class Overall(ReportModel):
     seconds: dict[str, float] = {}  # where a qspec engine's wall time went (EngineMetrics.seconds)
 
     @property
-    def host(self) -> tuple[float, float] | None:
-        """``(ms, share)`` of a decode step outside the target's calls and the proposer (None for a baseline)."""
-        return host_per_step(self.wall_s, self.calls, self.seconds)
+    def step(self) -> StepTimes | None:
+        """Where a decode step's time went: the target's call, drafting, the host's rest (None for a baseline)."""
+        return step_times(self.wall_s, self.calls, self.seconds)
 
     @property
     def tokens_per_drafted_call(self) -> float | None:

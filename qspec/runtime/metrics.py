@@ -10,14 +10,14 @@
 - calls per K: decode calls of each compiled specialization;
 - seconds: where the wall time went: ``prefill`` (the prompts' calls, each first token included), ``decode``
   (inside the target's decode calls) and ``propose`` (the proposer's drafting, a head's calls included); the
-  rest is the host's (the engine's Python: dispatch, acceptance, detokenizing), :func:`host_per_step`.
+  rest is the host's (the engine's Python: dispatch, acceptance, detokenizing), :func:`step_times`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from statistics import mean, median
-from typing import Any
+from typing import Any, NamedTuple
 
 
 def count_positions(reached: list[int], accepted_at: list[int], *, proposed: int, accepted: int) -> None:
@@ -145,17 +145,29 @@ class EngineMetrics:
         return dict(self.__dict__)
 
 
-def host_per_step(wall_s: float, calls: dict, seconds: dict) -> tuple[float, float] | None:
-    """``(host ms per decode step, host share of a decode step)``: the wall time outside the target's calls
-    and the proposer, over the decode calls; a step is the wall time outside prefill calls over the same
-    calls. None without decode calls or timings. 10 s of wall, 1 s prefill, 8 s decode calls, 0.5 s
-    proposing, 1,000 decode calls: 0.5 ms a step, 0.5 / 9 = 5.6 % of a step."""
+class StepTimes(NamedTuple):
+    """A decode step's ms: the whole (wall time outside prefill calls), inside the target's call, drafting, and the
+    host's rest with its share of the whole."""
+
+    steps: int
+    step_ms: float
+    target_ms: float
+    drafting_ms: float
+    host_ms: float
+    host_share: float
+
+
+def step_times(wall_s: float, calls: dict, seconds: dict) -> StepTimes | None:
+    """Where a decode step's time went (``seconds`` over the decode calls of ``calls``); None without decode calls
+    or timings. 10 s of wall, 1 s prefill, 8 s decode calls, 0.5 s proposing, 1,000 decode calls: a 9 ms step,
+    8 in the target's call, 0.5 drafting, 0.5 the host's, 0.5 / 9 = 5.6 % of a step."""
     steps = sum(n for k, n in calls.items() if str(k) != "prefill")
     if not steps or not seconds:
         return None
-    host = wall_s - sum(seconds.get(part, 0.0) for part in ("prefill", "decode", "propose"))
-    step = wall_s - seconds.get("prefill", 0.0)
-    return host * 1000 / steps, host / step if step > 0 else 0.0
+    ms = {part: seconds.get(part, 0.0) * 1000 / steps for part in ("prefill", "decode", "propose")}
+    step = wall_s * 1000 / steps - ms["prefill"]
+    host = step - ms["decode"] - ms["propose"]
+    return StepTimes(steps, step, ms["decode"], ms["propose"], host, host / step if step > 0 else 0.0)
 
 
 def aggregate(metrics: list[RequestMetrics], wall_s: float, calls: dict, seconds: dict | None = None) -> EngineMetrics:
