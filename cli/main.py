@@ -177,7 +177,7 @@ def compile(
         for spec in manifest.specializations:
             print(f"  {spec.describe()}")
         if draft_head:
-            from qspec.heads.manifest import read_head_manifest
+            from qspec.head_manifest import read_head_manifest
 
             head = read_head_manifest(folder)
             print(f"draft head: {head.method} ({head.layout}), {len(head.specializations)} specializations")

@@ -12,7 +12,7 @@ MethodOption = Annotated[
     str,
     typer.Option(
         help="Speculative method: none, pld (alias ngram), suffix, draft, or with a package's draft head "
-        "(compile --draft-head) eagle, medusa, eagle+pld, medusa+pld."
+        "(compile --draft-head) eagle (alias eagle3), medusa, eagle+pld, medusa+pld."
     ),
 ]
 
@@ -39,11 +39,13 @@ def method_options(
     draft_confidence_threshold: Optional[float] = None,
 ) -> dict[str, Any]:
     from qspec.errors import ConfigError
+    from qspec.runtime.proposers import HEAD_METHODS, METHOD_ALIASES
 
     options: dict[str, Any] = {}
-    if draft_confidence_threshold is not None and method in ("eagle", "medusa", "eagle+pld", "medusa+pld", "draft"):
+    method = METHOD_ALIASES.get(method, method)
+    if draft_confidence_threshold is not None and method in (*HEAD_METHODS, "draft"):
         options["draft_confidence_threshold"] = draft_confidence_threshold
-    if method in ("pld", "ngram", "eagle+pld", "medusa+pld"):
+    if method == "pld" or method.endswith("+pld"):
         options |= {"prompt_lookup_min": prompt_lookup_min, "prompt_lookup_max": prompt_lookup_max}
     if method == "draft":
         if draft_package is None:

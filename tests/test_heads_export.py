@@ -15,14 +15,15 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
-from qspec import contract  # noqa: E402
+from qspec import contract, head_manifest  # noqa: E402
 from qspec.backends import ort_plan  # noqa: E402
 from qspec.errors import PackageError  # noqa: E402
 from qspec.export.graph import ctx_calls  # noqa: E402
-from qspec.heads import manifest as head_manifest  # noqa: E402
+from qspec.head_manifest import HEAD_ONNX  # noqa: E402
 from qspec.heads import modules  # noqa: E402
-from qspec.heads.manifest import HEAD_ONNX  # noqa: E402
-from qspec.heads.package import compile_head, eagle_specializations, medusa_specializations  # noqa: E402
+from qspec.heads.eagle import eagle_specializations  # noqa: E402
+from qspec.heads.medusa import medusa_specializations  # noqa: E402
+from qspec.heads.package import compile_head  # noqa: E402
 from qspec.specializations import make_config  # noqa: E402
 from tests.test_heads_modules import randomize, tiny_target  # noqa: E402
 

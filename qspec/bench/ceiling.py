@@ -120,7 +120,7 @@ def head_call_ms(micro: MicroReport | None, weight_format: str) -> tuple[str, fl
     """``(method, ms)`` of the batch-1 ``weight_format`` package's head step: EAGLE's ``seq_len=1`` call,
     Medusa's ``batch=1`` call; None when the micro-benchmark did not time it."""
     head = next((h for h in (micro.heads if micro else []) if h.batch == 1 and h.weight_format == weight_format), None)
-    wanted = "seq_len=1" if head and head.method == "eagle" else "batch=1"
+    wanted = "seq_len=1" if head and _chained(head.method) else "batch=1"
     call = next((c for c in head.calls if c.specialization == wanted), None) if head else None
     return (head.method, call.median_ms) if call else None
 
@@ -131,7 +131,15 @@ def head_draft_ms(method: str, call_ms: float, offered: int, from_head: bool) ->
     ``head_draft_ms("eagle", 2.0, 3, True) == (0.0, 2.0, 4.0, 6.0)``."""
     if not from_head:
         return (0.0,) * (offered + 1)
-    return tuple(0.0 if d == 0 else call_ms * (d if method == "eagle" else 1) for d in range(offered + 1))
+    chained = _chained(method)
+    return tuple(0.0 if d == 0 else call_ms * (d if chained else 1) for d in range(offered + 1))
+
+
+def _chained(method: str) -> bool:
+    """The head method calls its graph once per draft (EAGLE), not once for all (Medusa)."""
+    from qspec.runtime.heads import head_proposer
+
+    return head_proposer(method).chained
 
 
 def replay_head(

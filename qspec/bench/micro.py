@@ -14,7 +14,6 @@ from statistics import median
 
 import numpy as np
 
-from qspec import contract
 from qspec.bench.report import MicroCall, MicroHead, MicroPackage, PrefillChunk
 
 TIMED_POSITION = 256  # timed calls end at this position (or at the bucket's or buffer's end, if smaller)
@@ -108,26 +107,21 @@ def micro_benchmark(
 
 def head_feeds(manifest, spec, head_graph) -> dict[str, np.ndarray]:
     """Inputs of one head call of ``spec``: every row live, ending at TIMED_POSITION as the target's timed calls."""
+    from qspec.runtime.heads import head_proposer
+
     rng = np.random.default_rng(0)
     rows, seq = spec.batch_size, spec.seq_len
     hidden = rng.standard_normal((rows, seq, manifest.hidden_size)).astype(np.float32)  # [rows, seq_len, hidden]
-    if manifest.method != "eagle":
-        return {contract.HIDDEN_STATES: hidden}
     start = max(0, min(TIMED_POSITION, spec.ctx_len) - seq)
-    feeds = {
-        contract.INPUT_IDS: np.ones((rows, seq), np.int64),
-        contract.POSITION_IDS: np.tile(np.arange(start, start + seq, dtype=np.int64), (rows, 1)),
-        contract.HIDDEN_STATES: hidden,
-    }
-    if head_graph.batch_index:
-        feeds[contract.BATCH_INDEX] = np.arange(rows, dtype=np.int64)[:, None]
-    return feeds
+    return head_proposer(manifest.method).call_feeds(manifest, spec, hidden, start=start, token=1)
 
 
 def head_shape_name(manifest, index: int, spec) -> str:
     """``prefill``, ``seq_len=1`` (EAGLE's chain step and one-pair catch-up), ``seq_len=5`` (a catch-up
     width), or ``batch=4`` (Medusa)."""
-    if manifest.method != "eagle":
+    from qspec.runtime.heads import head_proposer
+
+    if not head_proposer(manifest.method).chained:
         return f"batch={spec.batch_size}"
     return "prefill" if index == 0 else f"seq_len={spec.seq_len}"
 
@@ -144,13 +138,14 @@ def head_micro_benchmark(
 ) -> MicroHead:
     """One row per specialization of ``package``'s draft head, the way the runtime runs it (its own session, its
     KV bound in place), beside ``target``'s K=0 call (the package's micro-benchmark) when given."""
-    from qspec.heads.manifest import read_head_manifest
+    from qspec.head_manifest import read_head_manifest
     from qspec.runtime.heads import HeadGraph
 
     manifest = read_head_manifest(package)
     rows = manifest.full_batch_size or 1
-    kv = manifest.kv_shape if manifest.method == "eagle" else None
-    graph = HeadGraph(manifest.path(package, manifest.runtime_graph), rows=rows, kv=kv, num_threads=num_threads)
+    graph = HeadGraph(
+        manifest.path(package, manifest.runtime_graph), rows=rows, kv=manifest.kv_shape, num_threads=num_threads
+    )
     specs = list(manifest.specializations)
     feeds = [head_feeds(manifest, spec, graph) for spec in specs]
     timed = time_runs([lambda f=f: graph.run(f) for f in feeds], iterations)

@@ -189,8 +189,11 @@ def full_options(**overrides: Any) -> BenchOptions:
 
 
 def head_method(layout: str) -> str:
-    """The runtime method of a head layout: ``eagle``, or ``medusa`` (Medusa's and QEfficient's turbo layout)."""
-    return "eagle" if layout == "eagle" else "medusa"
+    """The runtime method of a head layout (its kind's, :data:`qspec.heads.kinds.KINDS`): ``eagle`` for
+    EAGLE-1, ``medusa`` for Medusa's and QEfficient's turbo layout."""
+    from qspec.heads.kinds import KINDS  # imports torch
+
+    return KINDS[layout].method
 
 
 def methods_of_head(head_dir: str | Path) -> tuple[str, str]:

@@ -59,7 +59,7 @@ def _given_package(given: Path, options: BenchOptions) -> tuple[BenchOptions, in
 
 def _given_head_methods(given: Path, options: BenchOptions) -> tuple[BenchOptions, list[str]]:
     """A given package's head runs its method and ``+pld`` (added when no head method was asked for)."""
-    from qspec.heads.manifest import has_head, read_head_manifest
+    from qspec.head_manifest import has_head, read_head_manifest
 
     if options.draft_head is not None:
         raise ConfigError(

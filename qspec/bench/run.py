@@ -39,7 +39,7 @@ from qspec.bench.plan import (
 from qspec.bench.report import BenchReport, MachineInfo, MemoryReport, Meta, MicroReport, RunnerInfo, Skipped
 from qspec.bench.runners import QspecRunner, Runner, TransformersRunner
 from qspec.errors import ConfigError
-from qspec.heads.manifest import has_head
+from qspec.head_manifest import has_head
 from qspec.prompts import PromptRecord, default_prompts_path, load_prompts
 
 Request = tuple[str, str, list[int]]  # (request id, category, prompt token ids)

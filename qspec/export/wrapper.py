@@ -215,12 +215,25 @@ class KVExplicitLM(nn.Module):
         return hidden, cos, sin, query_pos, _write_anchor(position_ids, valid, steps), valid
 
     def layer_step(
-        self, i: int, hidden, cos, sin, query_pos, anchor, valid, batch_index, past_key, past_value, ccl=None
+        self,
+        i: int,
+        hidden,
+        cos,
+        sin,
+        query_pos,
+        anchor,
+        valid,
+        batch_index,
+        past_key,
+        past_value,
+        ccl=None,
+        attn_input=None,
     ):
         """Decoder layer ``i`` over the static KV buffers; returns ``hidden, keys', values'``.
 
         ``ccl`` (compute context length): attention reads only slots ``[0, len(ccl))``; the caller
         keeps every live position below it. The write still goes to the whole ``ctx_len`` buffer.
+        ``attn_input``: what q/k/v read instead of ``input_layernorm(hidden)`` (an EAGLE-3 head's 2H input).
         """
         layer = self.layers[i]
         key_pos = torch.arange(past_key.shape[2], dtype=torch.int64)  # [ctx_len]
@@ -233,7 +246,7 @@ class KVExplicitLM(nn.Module):
         )  # [b, 1, 1, seq, read]
         kv = (past_key, past_value)
         reads = _read_slots(query_pos, read)
-        x = layer.input_layernorm(hidden)
+        x = layer.input_layernorm(hidden) if attn_input is None else attn_input
         attn_out, (keys, values) = self._attention(layer, x, cos, sin, mask, kv, slots, valid, batch_index, reads)
         hidden = hidden + attn_out
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))

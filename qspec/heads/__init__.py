@@ -2,5 +2,5 @@
 
 ``modules`` holds the torch modules and their checkpoint layouts; ``export`` and ``package`` turn a head
 into ONNX graphs with their own specializations inside a compiled package. Everything here needs torch
-(the ``export`` extra) except :mod:`qspec.heads.manifest`, which the runtime reads.
+(the ``export`` extra) except :mod:`qspec.head_manifest`, which the runtime reads.
 """

@@ -1,5 +1,6 @@
 """Medusa-1 (FasterDecoding, vLLM) and QEfficient turbo heads: residual blocks over the target's feature, one
-draft per head (see :mod:`qspec.heads.modules` for the layouts and the shared-layer quirk)."""
+draft per head (see :mod:`qspec.heads.modules` for the layouts and the shared-layer quirk), and their two
+:class:`~qspec.heads.kind.HeadKind` entries (one graph, one runtime proposer: ``medusa``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from qspec.common import with_umask
+from qspec import contract
+from qspec.common import with_umask, write_text_atomic
 from qspec.errors import ConfigError, ModelLoadError
 from qspec.heads.checkpoint import (
     check_draft_ids,
@@ -19,6 +21,8 @@ from qspec.heads.checkpoint import (
     read_json,
     read_weights,
 )
+from qspec.heads.kind import HeadKind, TracedHead
+from qspec.specializations import Specialization, SpecializationConfig
 
 MEDUSA_CONFIG = "config.json"
 MEDUSA_WEIGHTS = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
@@ -271,3 +275,75 @@ def load_turbo(head_dir: str | Path, target_model) -> MedusaHead:
     )
     load_exact(head, {f"blocks.{name}": tensor for name, tensor in weights.items()}, folder, skip=("lm_head.weight",))
     return head.eval()
+
+
+# The kinds -----------------------------------------------------------------------------------------------
+
+
+def medusa_specializations(config: SpecializationConfig) -> list[Specialization]:
+    """One shape per row count: the prefill's and the decode's (``seq_len`` 1, no KV)."""
+    rows = config.full_batch_size or config.batch_size
+    specs = [Specialization(batch_size=b, seq_len=1, ctx_len=config.ctx_len) for b in (config.batch_size, rows)]
+    return [spec for i, spec in enumerate(specs) if spec not in specs[:i]]
+
+
+class MedusaKind(HeadKind):
+    """Medusa-1 heads (FasterDecoding's or vLLM's names): one call drafts ``num_heads`` tokens, no KV."""
+
+    layout = "medusa"
+    method = "medusa"
+    expects = f"Medusa's {MEDUSA_WEIGHTS[0]} (or a config.json with medusa_num_heads / num_heads)"
+
+    def detect(self, folder: Path, config: dict | None) -> bool:
+        if any((folder / name).is_file() for name in MEDUSA_WEIGHTS):
+            return True
+        return config is not None and ("medusa_num_heads" in config or "num_heads" in config)
+
+    def load(self, folder: Path, target) -> MedusaHead:
+        return load_medusa(folder, target)
+
+    def hidden_size(self, head) -> int:
+        return head.hidden_size
+
+    def prepare(self, head) -> None:
+        head.share_equal_lm_heads()  # one table in the graph, not one per head
+
+    def trace(self, head, config: SpecializationConfig) -> TracedHead:
+        from qspec.heads import export
+
+        return TracedHead(export.trace_medusa(head), [contract.HIDDEN_STATES], [contract.LOGITS])
+
+    def specializations(self, config: SpecializationConfig) -> list[Specialization]:
+        return medusa_specializations(config)
+
+    def write_specializations(self, specs: list[Specialization], path: Path, fmt: str) -> None:
+        """The graph has only ``batch_size``: the file names only that symbol."""
+        symbols = [{contract.BATCH_SIZE: str(spec.batch_size)} for spec in specs]
+        entries = (
+            [{"name": f"Batch_{s[contract.BATCH_SIZE]}", "symbols": s} for s in symbols] if fmt == "named" else symbols
+        )
+        write_text_atomic(path, json.dumps({"specializations": entries}, indent=2) + "\n")
+
+    def custom_io(self, kv_dtype: str) -> str:
+        """The features it reads, in ``kv_dtype`` (as the target's ``hidden_states`` output)."""
+        return f" - IOName: {contract.HIDDEN_STATES}\n   Precision: {kv_dtype}\n\n"
+
+    def manifest_fields(self, head, config: SpecializationConfig) -> dict:
+        return {"num_heads": head.num_heads, "num_layers": head.num_layers}
+
+
+class TurboKind(MedusaKind):
+    """QEfficient's turbo projections: Medusa's graph over the target's LM head."""
+
+    layout = "turbo"
+    expects = f"turbo's {TURBO_CONFIG} + {TURBO_WEIGHTS}"
+
+    def detect(self, folder: Path, config: dict | None) -> bool:
+        return (folder / TURBO_CONFIG).is_file()
+
+    def load(self, folder: Path, target) -> MedusaHead:
+        return load_turbo(folder, target)
+
+
+MEDUSA = MedusaKind()
+TURBO = TurboKind()

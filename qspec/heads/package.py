@@ -1,23 +1,19 @@
-"""Compile a draft head into a package: ``<package>/head/`` (see :mod:`qspec.heads.manifest`).
+"""Compile a draft head into a package: ``<package>/head/`` (see :mod:`qspec.head_manifest`).
 
-:func:`compile_head` reads the head checkpoint (any layout of :mod:`qspec.heads.modules`), takes the
+:func:`compile_head` reads the head checkpoint (any kind of :data:`qspec.heads.kinds.KINDS`), takes the
 target's embedding and LM head from the package's own ``model.onnx`` (a head checkpoint rarely carries
 them), exports the head graph, writes its runtime graph (:mod:`qspec.heads.ort_graph`), its
 specializations and, for ``qaic``, its own custom IO and compile command: a second program beside the
 target's, as QEfficient compiles a draft model.
 
-Specializations (one shape per step and per covering K, like the target's):
-
-- EAGLE: the target's prefill shape (prompt features), then ``seq_len = 1`` (chained drafts) and
-  ``seq_len = K + 1`` for every compiled K (catch-up over the accepted tokens), sorted, de-duplicated.
-  Example, ``K = 0, 1, 4``, prefill 32, ctx 128, batch 1: seq_len 32, 1, 2, 5.
-- Medusa: ``batch_size`` of prefill and of decode (one row per sequence, ``seq_len = 1``).
+Everything that differs between kinds (graph, specializations, custom IO, runtime rewrite, manifest fields)
+is the kind's (:class:`~qspec.heads.kind.HeadKind`): EAGLE's specializations are the target's prefill shape,
+``seq_len = 1`` (chained drafts) and ``K + 1`` per compiled K (catch-up), Medusa's one per row count.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import time
@@ -36,7 +32,6 @@ from qspec.backends.qaic import (
     QaicOptions,
     QaicResult,
     compile_script,
-    custom_io_yaml,
     find_compiler,
     qaic_compile_argv,
     run_compiler,
@@ -44,7 +39,7 @@ from qspec.backends.qaic import (
 )
 from qspec.common import write_text_atomic
 from qspec.errors import CompileError, ConfigError
-from qspec.heads.manifest import (
+from qspec.head_manifest import (
     DRAFT_IDS_FILE,
     HEAD_DIR,
     HEAD_MANIFEST,
@@ -53,7 +48,8 @@ from qspec.heads.manifest import (
     HeadManifest,
     HeadWeightFormat,
 )
-from qspec.spec_file import SpecFormat, write_specializations
+from qspec.heads.kind import HeadKind
+from qspec.spec_file import SpecFormat
 from qspec.specializations import Specialization, SpecializationConfig
 
 Progress = Callable[[str], None]
@@ -61,49 +57,6 @@ EMBED_TOKENS = "model.embed_tokens.weight"  # the target graph's initializer nam
 LM_HEAD = "lm_head.weight"
 # Bump when the head's graphs change (they are built from the head's files and this): see head_digest.
 HEAD_RECIPE_VERSION = 4
-
-
-# Specializations -------------------------------------------------------------------------------------
-
-
-def _dedupe(specs: list[Specialization]) -> list[Specialization]:
-    kept: list[Specialization] = []
-    for spec in specs:
-        if spec not in kept:
-            kept.append(spec)
-    return kept
-
-
-def eagle_specializations(config: SpecializationConfig) -> list[Specialization]:
-    """The target's prefill shape, then ``seq_len`` 1 and ``K + 1`` per compiled K, ascending (no logits
-    count: the head returns the last real token of each row)."""
-    rows, fbs = config.full_batch_size or config.batch_size, config.full_batch_size
-    prefill = Specialization(
-        batch_size=config.batch_size, seq_len=config.prefill_seq_len, ctx_len=config.ctx_len, full_batch_size=fbs
-    )
-    steps = sorted({1, *(k + 1 for k in config.num_speculative_tokens)})
-    decode = [Specialization(batch_size=rows, seq_len=s, ctx_len=config.ctx_len, full_batch_size=fbs) for s in steps]
-    return _dedupe([prefill, *decode])
-
-
-def medusa_specializations(config: SpecializationConfig) -> list[Specialization]:
-    """One shape per row count: the prefill's and the decode's (``seq_len`` 1, no KV)."""
-    rows = config.full_batch_size or config.batch_size
-    return _dedupe([Specialization(batch_size=b, seq_len=1, ctx_len=config.ctx_len) for b in (config.batch_size, rows)])
-
-
-def write_head_specializations(
-    specs: list[Specialization], path: Path, *, method: str, fmt: SpecFormat = "flat"
-) -> None:
-    """The project's writer; a Medusa graph has only ``batch_size``, so its file names only that symbol."""
-    if method == "eagle":
-        write_specializations(specs, path, fmt=fmt)
-        return
-    symbols = [{contract.BATCH_SIZE: str(spec.batch_size)} for spec in specs]
-    entries = (
-        [{"name": f"Batch_{s[contract.BATCH_SIZE]}", "symbols": s} for s in symbols] if fmt == "named" else symbols
-    )
-    write_text_atomic(path, json.dumps({"specializations": entries}, indent=2) + "\n")
 
 
 # The target's tables ---------------------------------------------------------------------------------
@@ -147,18 +100,10 @@ def head_digest(head_dir: str | os.PathLike[str]) -> str:
 # Vendor files ----------------------------------------------------------------------------------------
 
 
-def head_custom_io(method: str, *, kv_dtype: str) -> str:
-    """The head's custom IO: its KV (EAGLE) and the features it reads and writes, in ``kv_dtype`` (the
-    target's ``hidden_states`` output has the same precision, so the runtime hands it over unconverted)."""
-    names = [contract.HIDDEN_STATES] + ([contract.HIDDEN_STATES_OUT] if method == "eagle" else [])
-    features = "".join(f" - IOName: {name}\n   Precision: {kv_dtype}\n\n" for name in names)
-    return (custom_io_yaml(1, kv_dtype=kv_dtype) if method == "eagle" else "") + features
-
-
-def prepare_head_qaic(head_dir: Path, method: str, options: QaicOptions, *, run: bool | None = None) -> QaicResult:
-    """Write ``custom_io.yaml`` and ``compile_qaic.sh`` for the head graph (paths relative to ``head_dir``);
-    compile when a compiler is found (``run=None``), always (``True``) or never (``False``)."""
-    write_text_atomic(head_dir / CUSTOM_IO_FILE, head_custom_io(method, kv_dtype=options.io_float_dtype))
+def prepare_head_qaic(head_dir: Path, kind: HeadKind, options: QaicOptions, *, run: bool | None = None) -> QaicResult:
+    """Write ``custom_io.yaml`` (the kind's) and ``compile_qaic.sh`` for the head graph (paths relative to
+    ``head_dir``); compile when a compiler is found (``run=None``), always (``True``) or never (``False``)."""
+    write_text_atomic(head_dir / CUSTOM_IO_FILE, kind.custom_io(options.io_float_dtype))
     compiler = None if run is False else find_compiler()
     if run and compiler is None:
         raise ConfigError("no QAIC compiler found: set QAIC_COMPILE or put qaic-compile on PATH")
@@ -190,22 +135,19 @@ def prepare_head_qaic(head_dir: Path, method: str, options: QaicOptions, *, run:
 # The runtime graph -----------------------------------------------------------------------------------
 
 
-def _write_runtime_graph(model, head, method: str, folder: Path, config, specs, weight_format: str, say) -> dict:
-    """``head.ort.onnx`` (:mod:`qspec.heads.ort_graph`): EAGLE's fused, in every format; Medusa's only when
-    quantized (else the runtime loads ``head.onnx``). Returns the manifest's fields that describe it."""
-    from qspec.heads import export, ort_graph
-    from qspec.package import attention_slack
+def _write_runtime_graph(model, head, kind: HeadKind, folder: Path, config, specs, weight_format: str, say) -> dict:
+    """``head.ort.onnx`` (:mod:`qspec.heads.ort_graph`): the kind's rewrite (EAGLE's fusions), in every format;
+    a kind without one only when quantized (else the runtime loads ``head.onnx``). Returns the manifest's
+    fields that describe it."""
+    from qspec.heads import ort_graph
 
     fields = {"runtime_graph": HEAD_ONNX, "fusions": {}, "quantized_matmuls": 0}
-    if method != "eagle" and weight_format == "fp32":
-        return fields
     runtime = ort_graph.copy_model(model)
-    if method == "eagle":
-        say("fusing the head's attention (GroupQueryAttention) and RMSNorm")
-        kv_slack = attention_slack(max(spec.seq_len for spec in specs))
-        rope_positions = config.ctx_len + kv_slack
-        fusions = ort_graph.fuse_eagle(runtime, export.eagle_attention_info(head), rope_positions=rope_positions)
-        fields |= {"fusions": fusions, "kv_slack": kv_slack, "rope_positions": rope_positions}
+    say("rewriting the head graph for ONNX Runtime")
+    fused = kind.fuse(runtime, head, config, specs)
+    if fused is None and weight_format == "fp32":
+        return fields
+    fields |= fused or {}
     if weight_format != "fp32":
         say(f"quantizing the head's MatMul weights to {weight_format}")
     fields["quantized_matmuls"] = ort_graph.write_runtime_graph(
@@ -236,7 +178,7 @@ def compile_head(
     ``target_onnx``: the target graph holding its tables (default: the package's ``model.onnx``).
     """
     from qspec.heads import export
-    from qspec.heads.modules import load_head
+    from qspec.heads.kinds import load_head
     from qspec.package import ONNX_FILE
 
     say = progress or (lambda message: None)
@@ -247,39 +189,32 @@ def compile_head(
     folder.mkdir(parents=True)
     tables = target_tables(Path(target_onnx) if target_onnx else package / ONNX_FILE)
     say(f"reading the draft head {head_dir}")
-    head, layout = load_head(head_dir, tables)
-    method = "eagle" if layout == "eagle" else "medusa"
+    head, kind = load_head(head_dir, tables)
     vocab, hidden = tables.get_input_embeddings().weight.shape
-    _check_fits(head, method, hidden)
-    if method == "medusa":
-        head.share_equal_lm_heads()  # one table in the graph, not one per head
+    if kind.hidden_size(head) != hidden:
+        width = kind.hidden_size(head)
+        raise ConfigError(f"the draft head's hidden size {width} differs from the target's {hidden}; use a head for it")
+    kind.prepare(head)
 
-    say(f"exporting the {method} head graph")
-    if method == "eagle":
-        model = export.trace_eagle(head, continuous_batching=config.continuous_batching)
-        names = export.eagle_input_names(continuous_batching=config.continuous_batching), export.eagle_output_names()
-        specs = eagle_specializations(config)
-    else:
-        model = export.trace_medusa(head)
-        names = [contract.HIDDEN_STATES], [contract.LOGITS]
-        specs = medusa_specializations(config)
-    runtime = _write_runtime_graph(model, head, method, folder, config, specs, weight_format, say)
-    fp16 = export.store_float16(model)
-    export.save(model, folder / HEAD_ONNX)
+    say(f"exporting the {kind.layout} head graph")
+    traced = kind.trace(head, config)
+    specs = kind.specializations(config)
+    runtime = _write_runtime_graph(traced.model, head, kind, folder, config, specs, weight_format, say)
+    fp16 = export.store_float16(traced.model)
+    export.save(traced.model, folder / HEAD_ONNX)
 
     draft_ids_file = None
     if head.draft_ids is not None:
         draft_ids_file = DRAFT_IDS_FILE
         np.save(folder / DRAFT_IDS_FILE, head.draft_ids.numpy().astype(np.int64))
-    write_head_specializations(specs, folder / "specializations.json", method=method, fmt=spec_format)
+    kind.write_specializations(specs, folder / "specializations.json", spec_format)
     qaic_result = None
     if backend == "qaic":
         say("preparing the head's qaic-compile command")
-        qaic_result = prepare_head_qaic(folder, method, qaic or QaicOptions())
-    eagle = method == "eagle"
+        qaic_result = prepare_head_qaic(folder, kind, qaic or QaicOptions())
     manifest = HeadManifest(
-        method=method,
-        layout=layout,
+        method=kind.method,
+        layout=kind.layout,
         source=str(head_dir),
         digest=head_digest(head_dir),
         target_fingerprint=target_fingerprint,
@@ -287,18 +222,14 @@ def compile_head(
         vocab_size=vocab,
         draft_vocab_size=head.draft_vocab_size,
         draft_ids_file=draft_ids_file,
-        num_heads=1 if eagle else head.num_heads,
-        num_layers=1 if eagle else head.num_layers,
-        num_kv_heads=head.config.num_key_value_heads if eagle else None,
-        head_dim=head.layers[0].self_attn.head_dim if eagle else None,
-        ctx_len=config.ctx_len if eagle else None,
+        **kind.manifest_fields(head, config),
         full_batch_size=config.full_batch_size,
         continuous_batching=config.continuous_batching,
         **runtime,
         weight_format=weight_format,
         float16_initializers=fp16,
-        input_names=names[0],
-        output_names=names[1],
+        input_names=traced.input_names,
+        output_names=traced.output_names,
         specializations=specs,
         spec_format=spec_format,
         backend=backend,
@@ -315,21 +246,15 @@ def compile_head(
 
 
 def example_feeds(manifest: HeadManifest, spec: Specialization) -> dict[str, np.ndarray]:
-    """Inputs of one call of ``spec``'s shape: token 0, positions from 0, zero features and KV."""
-    batch, seq = spec.batch_size, spec.seq_len
-    features = np.zeros((batch, seq, manifest.hidden_size), np.float32)
-    if manifest.method == "medusa":
-        return {contract.HIDDEN_STATES: features}
-    feeds = {
-        contract.INPUT_IDS: np.zeros((batch, seq), np.int64),
-        contract.POSITION_IDS: np.tile(np.arange(seq, dtype=np.int64), (batch, 1)),
-        contract.HIDDEN_STATES: features,
-    }
-    if manifest.continuous_batching:
-        feeds[contract.BATCH_INDEX] = np.arange(batch, dtype=np.int64)[:, None]
-    rows = spec.full_batch_size or batch
-    for name in contract.kv_names(1):
-        feeds[name] = np.zeros((rows, *manifest.kv_shape), np.float32)
+    """Inputs of one call of ``spec``'s shape (its proposer's :meth:`call_feeds`: token 0, positions from 0, zero
+    features) and zero KV."""
+    from qspec.runtime.heads import head_proposer
+
+    hidden = np.zeros((spec.batch_size, spec.seq_len, manifest.hidden_size), np.float32)
+    feeds = head_proposer(manifest.method).call_feeds(manifest, spec, hidden)
+    if manifest.kv_shape is not None:
+        rows = spec.full_batch_size or spec.batch_size
+        feeds |= {name: np.zeros((rows, *manifest.kv_shape), np.float32) for name in contract.kv_names(1)}
     return feeds
 
 
@@ -350,13 +275,21 @@ def check_head_sessions(folder: Path, manifest: HeadManifest) -> None:
         except Exception as exc:  # ORT raises plain RuntimeErrors
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise CompileError(f"the draft head graph fails for {spec.describe()}: {first}") from exc
-        rows = manifest.num_heads if manifest.method == "medusa" else 1
-        want = (spec.batch_size, rows, manifest.draft_vocab_size)
+        want = (spec.batch_size, manifest.num_heads, manifest.draft_vocab_size)
         if logits.shape != want:
             raise CompileError(f"the draft head returns logits {logits.shape} for {spec.describe()}, expected {want}")
 
 
-def _check_fits(head, method: str, hidden: int) -> None:
-    width = head.config.hidden_size if method == "eagle" else head.hidden_size
-    if width != hidden:
-        raise ConfigError(f"the draft head's hidden size {width} differs from the target's {hidden}; use a head for it")
+def fold_head_taps(head_dir: str | os.PathLike[str], package: Path, graphs: list[Path], num_layers: int) -> None:
+    """Fold the head's ``fc`` into the target graphs ``graphs`` of ``package``, exported with the head's taps
+    (:func:`qspec.export.taps.fold_taps`); a head that reads no taps leaves them as they are."""
+    from qspec.export.taps import fold_taps
+    from qspec.heads.kinds import load_head
+    from qspec.package import ONNX_FILE
+
+    head, kind = load_head(head_dir, target_tables(package / ONNX_FILE))
+    taps = kind.taps(head, num_layers)
+    if taps is None:
+        return
+    for path in graphs:
+        fold_taps(path, taps.layer_ids, taps.fc.numpy())

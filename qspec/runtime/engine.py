@@ -42,7 +42,7 @@ from qspec.runtime.load import load_model
 from qspec.runtime.metrics import EngineMetrics, aggregate
 from qspec.runtime.prefill import PrefillRow, run_prefill
 from qspec.runtime.proposal import Proposal, Proposer
-from qspec.runtime.proposers import HEAD_METHODS, make_proposer
+from qspec.runtime.proposers import HEAD_METHODS, METHOD_ALIASES, make_proposer
 from qspec.runtime.request import (
     Prompt,
     RequestDelta,
@@ -63,12 +63,11 @@ from qspec.runtime.sampling import (
 from qspec.runtime.session import LoadedModel, SessionMode
 from qspec.runtime.tokenizer import TextStream, Tokenizer
 
-METHOD_ALIASES = {"ngram": "pld"}  # vLLM's name for prompt lookup
 OutputCallback = Callable[[RequestOutput], None]
 
 
 def canonical_method(method: str) -> str:
-    """The speculative method ``method`` names (``ngram`` is ``pld``)."""
+    """The speculative method ``method`` names (``ngram`` is ``pld``, ``eagle3`` is ``eagle``)."""
     return METHOD_ALIASES.get(method, method)
 
 

@@ -35,8 +35,10 @@ from qspec import contract
 from qspec.backends import ort as ort_backend
 from qspec.backends import ort_plan
 from qspec.errors import ConfigError
+from qspec.head_manifest import HeadManifest, has_head, read_draft_ids, read_head_manifest
 from qspec.runtime.proposal import DepthLimit, Proposal, Proposer, RequestId, Tokens, as_tokens, confidence_class
 from qspec.runtime.sampling import SamplingParams
+from qspec.specializations import Specialization
 
 DEFAULT_THRESHOLD = 0.5  # a chain of drafts less likely than this (product of probabilities) ends the row's drafts
 
@@ -152,9 +154,35 @@ class _Bound:
 
 
 class HiddenStateProposer(Proposer):
-    """A proposer that reads the target's hidden states (declared: the engine checks ``wants_hidden_states``)."""
+    """A proposer that reads the target's hidden states (declared: the engine checks ``wants_hidden_states``).
+
+    A subclass is one runtime method of :data:`HEAD_PROPOSERS`: it says how it is built from a package's head
+    (:meth:`from_manifest`), what one call of its graph reads (:meth:`call_feeds`) and whether it calls the head
+    once per draft (``chained``).
+    """
 
     wants_hidden_states = True
+    chained = False  # one head call per draft (EAGLE), else one call for every draft (Medusa)
+
+    @classmethod
+    def from_manifest(cls, graph: HeadGraph, draft_ids, manifest: HeadManifest, *, threshold: float):
+        """The proposer of a package's head (its graph loaded)."""
+        rows = manifest.full_batch_size or 1
+        return cls(
+            graph,
+            draft_ids,
+            ctx_len=manifest.ctx_len or 0,
+            hidden_size=manifest.hidden_size,
+            rows=rows,
+            threshold=threshold,
+        )
+
+    @staticmethod
+    def call_feeds(
+        manifest: HeadManifest, spec: Specialization, hidden: np.ndarray, *, start: int = 0, token: int = 0
+    ) -> dict[str, np.ndarray]:
+        """Inputs (but the KV) of one call of ``spec``'s shape: ``hidden`` [rows, seq_len, H], every row live."""
+        return {contract.HIDDEN_STATES: hidden}
 
     def __init__(
         self,
@@ -213,7 +241,10 @@ class HiddenStateProposer(Proposer):
 
 
 class EagleProposer(HiddenStateProposer):
-    """EAGLE-1 drafts: a catch-up call over the new pairs, then chained one-token calls (module doc)."""
+    """EAGLE drafts (EAGLE-1 and EAGLE-3): a catch-up call over the new pairs, then chained one-token calls
+    (module doc)."""
+
+    chained = True
 
     def __init__(
         self,
@@ -228,6 +259,34 @@ class EagleProposer(HiddenStateProposer):
     ):
         super().__init__(head, draft_ids, ctx_len=ctx_len, hidden_size=hidden_size, rows=rows, threshold=threshold)
         self.widths = sorted(set(widths))  # the head's compiled seq_len values
+
+    @classmethod
+    def from_manifest(cls, graph: HeadGraph, draft_ids, manifest: HeadManifest, *, threshold: float):
+        rows = manifest.full_batch_size or 1
+        widths = [spec.seq_len for spec in manifest.specializations]
+        return cls(
+            graph,
+            draft_ids,
+            ctx_len=manifest.ctx_len or 0,
+            hidden_size=manifest.hidden_size,
+            rows=rows,
+            threshold=threshold,
+            widths=widths,
+        )
+
+    @staticmethod
+    def call_feeds(
+        manifest: HeadManifest, spec: Specialization, hidden: np.ndarray, *, start: int = 0, token: int = 0
+    ) -> dict[str, np.ndarray]:
+        batch, seq = spec.batch_size, spec.seq_len
+        feeds = {
+            contract.INPUT_IDS: np.full((batch, seq), token, np.int64),
+            contract.POSITION_IDS: np.tile(np.arange(start, start + seq, dtype=np.int64), (batch, 1)),
+            contract.HIDDEN_STATES: hidden,
+        }
+        if manifest.continuous_batching:
+            feeds[contract.BATCH_INDEX] = np.arange(batch, dtype=np.int64)[:, None]
+        return feeds
 
     def propose_batch(self, items: Sequence[tuple[RequestId, int]]) -> list[Proposal]:
         rows = [_Row(self._requests[rid], cap) for rid, cap in items if cap > 0]
@@ -381,6 +440,20 @@ class LookupFirstProposer(Proposer):
         return found
 
 
+# The runtime's table of head methods: HeadManifest.method -> its proposer. A head kind
+# (qspec.heads.kinds.KINDS) names one of these; the CLI's head methods are these and their +pld.
+HEAD_PROPOSERS: dict[str, type[HiddenStateProposer]] = {"eagle": EagleProposer, "medusa": MedusaProposer}
+HEAD_METHOD_ALIASES = {"eagle3": "eagle"}  # EAGLE-3 heads run as EAGLE (the package holds one kind)
+
+
+def head_proposer(method: str) -> type[HiddenStateProposer]:
+    """The proposer class of a head method, or an error naming the known ones."""
+    proposer = HEAD_PROPOSERS.get(HEAD_METHOD_ALIASES.get(method, method))
+    if proposer is None:
+        raise ConfigError(f"unknown head method {method!r}; this qspec runs {', '.join(HEAD_PROPOSERS)}: recompile")
+    return proposer
+
+
 def load_head_proposer(
     method: str,
     package: str | Path,
@@ -388,9 +461,8 @@ def load_head_proposer(
     draft_confidence_threshold: float | None = None,
     num_threads: int | None = 1,
 ) -> HiddenStateProposer:
-    """The ``eagle`` or ``medusa`` proposer of ``package``'s draft head (``qspec compile --draft-head``)."""
-    from qspec.heads.manifest import has_head, read_draft_ids, read_head_manifest
-
+    """The ``method`` proposer of ``package``'s draft head (``qspec compile --draft-head``)."""
+    method = HEAD_METHOD_ALIASES.get(method, method)
     if not has_head(package):
         raise ConfigError(
             f"method {method} needs a draft head in {package}; compile it with `qspec compile ... --draft-head DIR`"
@@ -400,11 +472,8 @@ def load_head_proposer(
         raise ConfigError(f"{package}'s draft head is {manifest.method}; use --method {manifest.method}")
     threshold = DEFAULT_THRESHOLD if draft_confidence_threshold is None else draft_confidence_threshold
     rows = manifest.full_batch_size or 1
-    kv = manifest.kv_shape if method == "eagle" else None  # slots: ctx_len and the fused attention's slack
-    graph = HeadGraph(manifest.path(package, manifest.runtime_graph), rows=rows, kv=kv, num_threads=num_threads)
-    draft_ids = read_draft_ids(package, manifest)
-    common = dict(ctx_len=manifest.ctx_len or 0, hidden_size=manifest.hidden_size, rows=rows, threshold=threshold)
-    if method == "eagle":
-        widths = [spec.seq_len for spec in manifest.specializations]
-        return EagleProposer(graph, draft_ids, widths=widths, **common)
-    return MedusaProposer(graph, draft_ids, **common)
+    graph = HeadGraph(
+        manifest.path(package, manifest.runtime_graph), rows=rows, kv=manifest.kv_shape, num_threads=num_threads
+    )
+    proposer = head_proposer(manifest.method)
+    return proposer.from_manifest(graph, read_draft_ids(package, manifest), manifest, threshold=threshold)

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from qspec.errors import ConfigError
+from qspec.runtime.heads import HEAD_METHOD_ALIASES, HEAD_PROPOSERS
 from qspec.runtime.proposal import Proposal, Proposer, RequestId, Tokens, as_tokens
 from qspec.runtime.sampling import SamplingParams
 from qspec.runtime.suffix import SuffixProposer
@@ -319,6 +320,12 @@ def _draft_proposer(**knobs: Any) -> Proposer:
     return DraftProposer(**knobs)
 
 
+# The target's package holds the head: the runtime's head methods and each with prompt lookup first.
+HEAD_METHODS = (*HEAD_PROPOSERS, *(f"{method}+pld" for method in HEAD_PROPOSERS))
+# Other names of a method (vLLM's ngram; eagle3 for the EAGLE head a package holds).
+METHOD_ALIASES = {"ngram": "pld"} | {
+    alias + plus: method + plus for alias, method in HEAD_METHOD_ALIASES.items() for plus in ("", "+pld")
+}
 _HEAD_KNOBS = ("package", "draft_confidence_threshold", "num_threads")
 _LOOKUP_KNOBS = ("prompt_lookup_min", "prompt_lookup_max")
 # method -> (factory, its knobs, the knobs it cannot do without)
@@ -352,7 +359,7 @@ _PROPOSERS: dict[str, tuple[Callable[..., Proposer], tuple[str, ...], tuple[str,
     # Heads that read the target's hidden states, inside the target's package (the engine passes it).
     **{
         method: (_head_proposer(method), _HEAD_KNOBS + (_LOOKUP_KNOBS if "+" in method else ()), ("package",))
-        for method in ("eagle", "medusa", "eagle+pld", "medusa+pld")
+        for method in HEAD_METHODS
     },
 }
 PROPOSER_METHODS = tuple(_PROPOSERS)
@@ -360,7 +367,6 @@ _FIXES = {
     "draft_package": "compile one with `qspec compile --num-layers N`",
     "package": "the target package holds the head: `qspec compile ... --draft-head DIR`",
 }
-HEAD_METHODS = ("eagle", "medusa", "eagle+pld", "medusa+pld")  # the target's package holds the head
 
 
 def make_proposer(method: str, **knobs: Any) -> Proposer:

@@ -11,7 +11,10 @@
       specializations.json   the head's shapes (flat or named, as the target's)
       custom_io.yaml, compile_qaic.sh   backend "qaic" only
 
-This module imports neither torch nor the exporter: the runtime reads it.
+It sits beside :mod:`qspec.package` (the target's manifest) and imports what that module imports: the runtime
+reads it, and neither torch nor :mod:`qspec.heads` (the compile side) is imported here. ``method`` names the
+runtime's proposer (:data:`qspec.runtime.heads.HEAD_PROPOSERS`), ``layout`` the checkpoint kind it was read
+from (:data:`qspec.heads.kinds.KINDS`); both tables check their names, this file only records them.
 """
 
 from __future__ import annotations
@@ -36,8 +39,6 @@ HEAD_ORT_ONNX = "head.ort.onnx"
 DRAFT_IDS_FILE = "draft_ids.npy"
 HEAD_MANIFEST_VERSION = 2  # 2: EAGLE's runtime graph fused (fusions, kv_slack, rope_positions)
 
-HeadMethod = Literal["eagle", "medusa"]
-HeadLayout = Literal["eagle", "medusa", "turbo"]  # the checkpoint layout the head was read from
 HeadWeightFormat = Literal["fp32", "int8", "int4"]  # MatMul weights of the runtime graph (tables: float16)
 
 
@@ -45,8 +46,8 @@ class HeadManifest(FrozenModel):
     """Contents of ``head/head.json``: everything the runtime needs to run the head, and where it came from."""
 
     manifest_version: int = HEAD_MANIFEST_VERSION
-    method: HeadMethod
-    layout: HeadLayout
+    method: str  # the runtime proposer (a key of qspec.runtime.heads.HEAD_PROPOSERS): eagle, medusa
+    layout: str  # the checkpoint kind it was read from (a key of qspec.heads.kinds.KINDS)
     source: str  # the head folder as given
     digest: str  # hash of the head's files
     target_fingerprint: str  # the target export's key: the head reads that graph's hidden states
