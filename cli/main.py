@@ -231,12 +231,15 @@ def specializations(
 def info(
     package: Annotated[Path, typer.Argument(help="A package directory written by `qspec compile`.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print it as JSON.")] = False,
+    memory: Annotated[
+        bool, typer.Option("--memory", help="Also load it on ONNX Runtime (a child process) and show resident memory.")
+    ] = False,
 ) -> None:
     """Show what PACKAGE holds: the model, the K list, the specializations, the formats, the files."""
     with cli_errors():
         from qspec.package import package_info
 
-        found = package_info(package)
+        found = package_info(package, memory=memory)
         if as_json:
             print(found.model_dump_json(indent=2))
             return
@@ -249,8 +252,17 @@ def info(
             ("prefill_seq_len", found.prefill_seq_len),
             ("KV slots", found.kv_slots),
             ("created", found.created),
-            ("size", f"{found.total_bytes / 1e6:.1f} MB in {len(found.files)} files"),
+            ("size", f"{found.total_bytes / 1e6:.1f} MB on disk in {len(found.files)} files"),
         ]
+        if found.resident is not None:
+            held = found.resident
+            rows.append(
+                (
+                    "resident",
+                    f"{held.process_bytes / 1e6:.1f} MB after load (the load: {held.load_bytes / 1e6:.1f} MB, "
+                    f"KV {held.kv_bytes / 1e6:.1f} MB; {held.load_seconds} s)",
+                )
+            )
         for label, value in rows:
             print(f"{label:<16} {value}")
         print("specializations")

@@ -309,6 +309,17 @@ def manifest_summary(manifest: Manifest) -> dict[str, Any]:
     )
 
 
+class ResidentMemory(BaseModel):
+    """A package loaded on ONNX Runtime (``qspec info --memory``): resident bytes, measured in a child process."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    process_bytes: int  # the whole process after load (interpreter, libraries, weights, pre-packed copies, KV)
+    load_bytes: int  # what the load added: weights as ONNX Runtime holds them, its pre-packed copies, the KV
+    kv_bytes: int  # the KV buffers (ctx_len + slack slots, every KV row), part of load_bytes
+    load_seconds: float
+
+
 class PackageInfo(BaseModel):
     """What a package holds, for ``qspec info``: the model, the shapes, the formats, the files."""
 
@@ -327,12 +338,14 @@ class PackageInfo(BaseModel):
     kv_slots: int
     specializations: list[str]
     files: dict[str, int]  # relative path -> bytes
-    total_bytes: int
+    total_bytes: int  # bytes on disk: every file of the package
     created: str
+    resident: ResidentMemory | None = None  # with --memory
 
 
-def package_info(package: str | os.PathLike[str]) -> PackageInfo:
-    """The :class:`PackageInfo` of ``package`` (a PackageError if it is not one)."""
+def package_info(package: str | os.PathLike[str], *, memory: bool = False) -> PackageInfo:
+    """The :class:`PackageInfo` of ``package`` (a PackageError if it is not one); ``memory``: also load it on ONNX
+    Runtime in a child process and measure its resident memory (:mod:`qspec.backends.ort_memory`)."""
     folder = Path(package)
     manifest = read_manifest(folder)
     config = manifest.config
@@ -353,4 +366,11 @@ def package_info(package: str | os.PathLike[str]) -> PackageInfo:
         files=files,
         total_bytes=sum(files.values()),
         created=manifest.created,
+        resident=_resident(folder) if memory else None,
     )
+
+
+def _resident(folder: Path) -> ResidentMemory:
+    from qspec.backends.ort_memory import resident_after_load
+
+    return resident_after_load(folder)
