@@ -83,6 +83,9 @@ def compile(
     hidden_states: Annotated[
         bool, typer.Option(help="The graphs also return the final-norm hidden states (what a draft head reads).")
     ] = False,
+    vendor_graph: Annotated[
+        bool, typer.Option(help="ort: also ship model.onnx and its fp32 weights (the qaic backend always does).")
+    ] = False,
     aic_hw_version: Annotated[
         Optional[str], typer.Option(help="qaic: -aic-hw-version, ai100 or ai200 (default: from qaic-util, else ai100).")
     ] = None,
@@ -151,6 +154,7 @@ def compile(
             num_layers=num_layers,
             weight_format=weight_format,
             hidden_states=hidden_states,
+            vendor_graph=vendor_graph,
             draft_head=str(draft_head) if draft_head else None,
             draft_head_weight_format=draft_head_weight_format,
         )
