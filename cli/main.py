@@ -83,6 +83,9 @@ def compile(
     hidden_states: Annotated[
         bool, typer.Option(help="The graphs also return the final-norm hidden states (what a draft head reads).")
     ] = False,
+    vendor_graph: Annotated[
+        bool, typer.Option(help="ort: also ship model.onnx and its fp32 weights (the qaic backend always does).")
+    ] = False,
     aic_hw_version: Annotated[
         Optional[str], typer.Option(help="qaic: -aic-hw-version, ai100 or ai200 (default: from qaic-util, else ai100).")
     ] = None,
@@ -151,6 +154,7 @@ def compile(
             num_layers=num_layers,
             weight_format=weight_format,
             hidden_states=hidden_states,
+            vendor_graph=vendor_graph,
             draft_head=str(draft_head) if draft_head else None,
             draft_head_weight_format=draft_head_weight_format,
         )
@@ -231,12 +235,15 @@ def specializations(
 def info(
     package: Annotated[Path, typer.Argument(help="A package directory written by `qspec compile`.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print it as JSON.")] = False,
+    memory: Annotated[
+        bool, typer.Option("--memory", help="Also load it on ONNX Runtime (a child process) and show resident memory.")
+    ] = False,
 ) -> None:
     """Show what PACKAGE holds: the model, the K list, the specializations, the formats, the files."""
     with cli_errors():
         from qspec.package import package_info
 
-        found = package_info(package)
+        found = package_info(package, memory=memory)
         if as_json:
             print(found.model_dump_json(indent=2))
             return
@@ -249,8 +256,17 @@ def info(
             ("prefill_seq_len", found.prefill_seq_len),
             ("KV slots", found.kv_slots),
             ("created", found.created),
-            ("size", f"{found.total_bytes / 1e6:.1f} MB in {len(found.files)} files"),
+            ("size", f"{found.total_bytes / 1e6:.1f} MB on disk in {len(found.files)} files"),
         ]
+        if found.resident is not None:
+            held = found.resident
+            rows.append(
+                (
+                    "resident",
+                    f"{held.process_bytes / 1e6:.1f} MB after load (the load: {held.load_bytes / 1e6:.1f} MB, "
+                    f"KV {held.kv_bytes / 1e6:.1f} MB; {held.load_seconds} s)",
+                )
+            )
         for label, value in rows:
             print(f"{label:<16} {value}")
         print("specializations")

@@ -70,6 +70,13 @@ class CompileOptions(FrozenModel):
     hidden_states: bool = False  # the graphs also return the final-norm hidden states (draft heads read them)
     draft_head: str | None = None  # a draft head checkpoint folder (EAGLE-1, Medusa, turbo): PACKAGE/head/
     draft_head_weight_format: WeightFormat | None = None  # the head's runtime-graph MatMuls; None: head_weight_format
+    vendor_graph: bool = False  # backend ort: also ship model.onnx and its fp32 weights (backend qaic always does)
+
+    @property
+    def ships_vendor_graph(self) -> bool:
+        """The package holds ``model.onnx`` and its fp32 weights: what the qaic backend compiles, or asked for. An
+        ort package is the runtime graph alone (its weights in the weight format), not a second copy of the model."""
+        return self.backend == "qaic" or self.vendor_graph
 
     @property
     def head_weight_format(self) -> WeightFormat:
@@ -198,6 +205,7 @@ class _Exported:
     entry: ModelEntry
     specs: list[Specialization]
     warnings: list[str]
+    gguf: Path | None  # the GGUF file the model came from: its blocks may be carried into an int8/int4 graph
 
 
 @dataclass(frozen=True)
@@ -231,6 +239,7 @@ def _export(
 ) -> _Exported:
     """Export the model (cached) in the graph variant ``config`` needs; build the specializations."""
     from qspec.export import ExportOptions, export_model
+    from qspec.export.loader import resolve_source
 
     export_options = ExportOptions(
         continuous_batching=config.continuous_batching,
@@ -256,7 +265,9 @@ def _export(
         truncated_layers=options.num_layers,
         hidden_states=options.exports_hidden_states,
     )
-    return _Exported(folder, meta, entry, specs, warnings)
+    source = resolve_source(model)
+    gguf = source.folder / source.gguf_file if source.gguf_file else None
+    return _Exported(folder, meta, entry, specs, warnings, gguf)
 
 
 def _runtime_graph(
@@ -275,19 +286,26 @@ def _runtime_graph(
         positions=config.ctx_len + attention_slack(max(spec.seq_len for spec in exported.specs)),
         # no drafts, no verify call whose rounding a one-token call must match
         lone_query=config.num_speculative_tokens == (0,),
+        gguf=exported.gguf,
     )
     return _Graph(folder, graph)
 
 
-def _write_files(folder: Path, exported: _Exported, graph: _Graph | None, spec_format: SpecFormat) -> None:
-    """The vendor graph, the runtime graph, the tokenizer and the specializations file."""
-    for path in sorted(exported.folder.glob(ONNX_FILE + "*")):
+def _write_files(folder: Path, exported: _Exported, graph: _Graph | None, options: CompileOptions) -> None:
+    """The vendor graph (when shipped), the runtime graph, the tokenizer and the specializations file.
+
+    An fp32 runtime graph reads most of its weights from the vendor graph's data file (stored once), so that file
+    is in every fp32 package; ``model.onnx`` itself only where the vendor graph ships."""
+    vendor_files = sorted(exported.folder.glob(ONNX_FILE + "*")) if options.ships_vendor_graph else []
+    if graph is not None and graph.graph.vendor_data_file and not vendor_files:
+        vendor_files = [exported.folder / graph.graph.vendor_data_file]
+    for path in vendor_files:
         link_or_copy(path, folder / path.name)
     if graph is not None:
         for path in sorted(graph.folder.glob(ORT_ONNX_FILE + "*")):
             link_or_copy(path, folder / path.name)
     shutil.copytree(exported.folder / TOKENIZER_DIR, folder / TOKENIZER_DIR)
-    write_specializations(exported.specs, folder / SPECIALIZATIONS_FILE, fmt=spec_format)
+    write_specializations(exported.specs, folder / SPECIALIZATIONS_FILE, fmt=options.spec_format)
 
 
 def _prepare_vendor(folder: Path, entry: ModelEntry, options: CompileOptions, *, progress: Progress) -> QaicResult:
@@ -314,16 +332,18 @@ def _check_or_prepare_vendor(
 
 
 def _add_draft_head(
-    folder: Path, options: CompileOptions, config: SpecializationConfig, target_fingerprint: str, *, progress: Progress
+    folder: Path, options: CompileOptions, config: SpecializationConfig, exported: _Exported, *, progress: Progress
 ) -> None:
-    """The draft head's own graphs and manifest in ``PACKAGE/head/`` (:mod:`qspec.heads.package`)."""
+    """The draft head's own graphs and manifest in ``PACKAGE/head/`` (:mod:`qspec.heads.package`); the target's
+    embedding and LM head are read from the export's vendor graph (an ort package does not ship it)."""
     from qspec.heads.package import compile_head
 
     compile_head(
         options.draft_head,
         folder,
         config=config,
-        target_fingerprint=target_fingerprint,
+        target_fingerprint=exported.meta.key,
+        target_onnx=exported.folder / ONNX_FILE,
         weight_format=options.head_weight_format,
         backend=options.backend,
         spec_format=options.spec_format,
@@ -353,6 +373,7 @@ def _manifest(
         specializations=exported.specs,
         spec_format=options.spec_format,
         backend=options.backend,
+        vendor_graph=options.ships_vendor_graph,
         runtime_graph=graph.graph if graph is not None else None,
         ort_checks=checks,
         qaic=qaic,
@@ -441,10 +462,10 @@ def compile_package(
 
     def build(folder: Path) -> None:
         say("writing the package")
-        _write_files(folder, exported, graph, options.spec_format)
+        _write_files(folder, exported, graph, options)
         checks, qaic = _check_or_prepare_vendor(folder, exported, graph, options, progress=say)
         if options.draft_head is not None:
-            _add_draft_head(folder, options, config, exported.meta.key, progress=say)
+            _add_draft_head(folder, options, config, exported, progress=say)
         dump_manifest(_manifest(key, exported, options, config, graph, checks, qaic, start=start), folder)
 
     write_package_atomic(target, build)

@@ -4,7 +4,9 @@
 
     <package>/
       manifest.json          what was compiled, from what, with which options and versions
-      model.onnx(+.data)     the KV-explicit graph and its weights (the contract; what qaic compiles)
+      model.onnx(+.data)     the KV-explicit graph and its fp32 weights (the contract; what qaic compiles): backend
+                             "qaic", or "ort" with --vendor-graph (an fp32 ort package keeps model.onnx.data, which
+                             its runtime graph reads)
       model.ort.onnx(+.data) backend "ort": the graph the runtime loads (fused, maybe quantized)
       specializations.json   the vendor's flat (or named) specialization file
       tokenizer/             tokenizer.json, tokenizer_config.json (chat template)
@@ -123,6 +125,8 @@ class RuntimeGraph(BaseModel):
     block_size: int | None = None
     accuracy_level: int | None = None
     symmetric: bool | None = None  # quantized blocks: a scale only (True) or a scale and a zero point
+    # GGUF type -> MatMul weights (and tables) whose blocks were carried over from the GGUF source as they are
+    gguf_blocks: dict[str, int] = Field(default_factory=dict)
     weight_bytes: int  # initializer bytes every call reads (embedding tables excluded)
     # Set when attention is ONNX Runtime's GroupQueryAttention (qspec.backends.ort_attention): the rows of
     # its RoPE table, positions below it.
@@ -170,6 +174,7 @@ class Manifest(BaseModel):
     specializations: list[Specialization]
     spec_format: SpecFormat
     backend: Backend
+    vendor_graph: bool = True  # the package holds model.onnx (older packages always did)
     runtime_graph: RuntimeGraph | None = None  # None: the runtime loads model.onnx
     ort_checks: list[SessionCheck] = Field(default_factory=list)
     qaic: QaicResult | None = None  # backend "qaic" only
@@ -226,7 +231,9 @@ def check_package(package: str | os.PathLike[str]) -> Manifest:
     folder = Path(package)
     manifest = read_manifest(folder)
     hint = f"run `qspec compile` to rebuild {folder}"
-    files = [ONNX_FILE, runtime_graph_file(manifest), SPECIALIZATIONS_FILE, f"{TOKENIZER_DIR}/tokenizer.json"]
+    files = [runtime_graph_file(manifest), SPECIALIZATIONS_FILE, f"{TOKENIZER_DIR}/tokenizer.json"]
+    if manifest.vendor_graph:
+        files.insert(0, ONNX_FILE)
     if manifest.runtime_graph is not None:
         files.append(manifest.runtime_graph.data_file)
         if manifest.runtime_graph.vendor_data_file:
@@ -234,9 +241,9 @@ def check_package(package: str | os.PathLike[str]) -> Manifest:
     for name in files:
         if not (folder / name).is_file():
             raise PackageError(f"package {folder} is missing {name}; {hint}")
-    onnx_size = (folder / ONNX_FILE).stat().st_size
-    if onnx_size == 0:
-        raise PackageError(f"{folder / ONNX_FILE} is empty; {hint}")
+    graph_file = folder / runtime_graph_file(manifest)
+    if graph_file.stat().st_size == 0:
+        raise PackageError(f"{graph_file} is empty; {hint}")
     try:
         specs = read_specializations(folder / SPECIALIZATIONS_FILE)
     except Exception as exc:
@@ -302,6 +309,17 @@ def manifest_summary(manifest: Manifest) -> dict[str, Any]:
     )
 
 
+class ResidentMemory(BaseModel):
+    """A package loaded on ONNX Runtime (``qspec info --memory``): resident bytes, measured in a child process."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    process_bytes: int  # the whole process after load (interpreter, libraries, weights, pre-packed copies, KV)
+    load_bytes: int  # what the load added: weights as ONNX Runtime holds them, its pre-packed copies, the KV
+    kv_bytes: int  # the KV buffers (ctx_len + slack slots, every KV row), part of load_bytes
+    load_seconds: float
+
+
 class PackageInfo(BaseModel):
     """What a package holds, for ``qspec info``: the model, the shapes, the formats, the files."""
 
@@ -320,12 +338,14 @@ class PackageInfo(BaseModel):
     kv_slots: int
     specializations: list[str]
     files: dict[str, int]  # relative path -> bytes
-    total_bytes: int
+    total_bytes: int  # bytes on disk: every file of the package
     created: str
+    resident: ResidentMemory | None = None  # with --memory
 
 
-def package_info(package: str | os.PathLike[str]) -> PackageInfo:
-    """The :class:`PackageInfo` of ``package`` (a PackageError if it is not one)."""
+def package_info(package: str | os.PathLike[str], *, memory: bool = False) -> PackageInfo:
+    """The :class:`PackageInfo` of ``package`` (a PackageError if it is not one); ``memory``: also load it on ONNX
+    Runtime in a child process and measure its resident memory (:mod:`qspec.backends.ort_memory`)."""
     folder = Path(package)
     manifest = read_manifest(folder)
     config = manifest.config
@@ -346,4 +366,11 @@ def package_info(package: str | os.PathLike[str]) -> PackageInfo:
         files=files,
         total_bytes=sum(files.values()),
         created=manifest.created,
+        resident=_resident(folder) if memory else None,
     )
+
+
+def _resident(folder: Path) -> ResidentMemory:
+    from qspec.backends.ort_memory import resident_after_load
+
+    return resident_after_load(folder)

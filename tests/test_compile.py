@@ -91,3 +91,37 @@ def test_check_fails_in_one_line_when_a_specialization_does_not_run(package, mon
             progress=lambda message: None,
         )
     assert "\n" not in str(caught.value)
+
+
+def test_an_ort_package_ships_the_vendor_graph_only_when_asked(tiny_model, package, tmp_path):
+    """An ort package holds no model.onnx (an fp32 one keeps model.onnx.data, which its runtime graph reads);
+    --vendor-graph adds it, under another inputs key; running the vendor graph of a package without it is a
+    one-line error naming the flag."""
+    from qspec.errors import PackageError
+    from qspec.package import check_package
+    from qspec.runtime.model import CompiledModel
+
+    assert not (package / ONNX_FILE).exists() and (package / (ONNX_FILE + ".data")).is_file()
+    assert not check_package(package).vendor_graph
+    with pytest.raises(PackageError, match="holds no model.onnx.*--vendor-graph"):
+        CompiledModel(package, vendor_graph=True)
+    config = make_config(num_speculative_tokens="0,4", prefill_seq_len=8, ctx_len=32)
+    options = CompileOptions(specialization=config, vendor_graph=True)
+    folder, manifest, _ = compile_package(tiny_model("llama"), options, output=tmp_path / "with-vendor")
+    assert manifest.vendor_graph and (folder / ONNX_FILE).is_file()
+    assert manifest.inputs_key != read_manifest(package).inputs_key
+    assert CompiledModel(folder, vendor_graph=True).manifest.vendor_graph
+
+
+def test_info_measures_bytes_on_disk_and_resident_memory_after_load(package):
+    """`qspec info --memory` loads the package in a child process: its load adds at least the KV buffers, which
+    are 2 x layers x [1, kv heads, ctx_len + slack for the longest call, head_dim] fp32; the files' bytes add up."""
+    from qspec.package import package_info
+
+    info = package_info(package, memory=True)
+    manifest = read_manifest(package)
+    model = manifest.model
+    slots = manifest.config.ctx_len + manifest.runtime_graph.kv_slack(max(s.seq_len for s in manifest.specializations))
+    assert info.resident.kv_bytes == 2 * model.num_layers * model.num_kv_heads * slots * model.head_dim * 4
+    assert info.resident.load_bytes > info.resident.kv_bytes and info.resident.process_bytes > info.resident.load_bytes
+    assert info.total_bytes == sum(p.stat().st_size for p in package.rglob("*") if p.is_file())

@@ -23,8 +23,12 @@ PROMPTS = [
 
 
 def compile_tiny(model, folder, ks, *, fbs=None, prefill=8, ctx=CTX):
+    """A package that also ships the vendor graph: tests here run model.onnx beside the runtime graph."""
     options = CompileOptions(
-        specialization=make_config(num_speculative_tokens=ks, prefill_seq_len=prefill, ctx_len=ctx, full_batch_size=fbs)
+        specialization=make_config(
+            num_speculative_tokens=ks, prefill_seq_len=prefill, ctx_len=ctx, full_batch_size=fbs
+        ),
+        vendor_graph=True,
     )
     package, _, _ = compile_package(model, options, output=folder)
     return package

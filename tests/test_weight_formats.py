@@ -50,7 +50,7 @@ def packages(model, tmp_path_factory):
 def matmul_ops(package) -> dict[str, int]:
     graph = onnx.load(str(package / ORT_ONNX_FILE), load_external_data=False).graph
     ops = [node.op_type for node in graph.node]
-    return {op: ops.count(op) for op in ("MatMul", "MatMulNBits", "Gather")}
+    return {op: ops.count(op) for op in ("MatMul", "MatMulNBits", "Gather", "GatherBlockQuantized")}
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -81,7 +81,7 @@ def test_continuous_batching_equals_batch_one(packages, fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_every_matmul_weight_is_quantized_lm_head_included(packages, fmt):
     """2 layers x 5 projections (q, k, v packed into one) + the tied LM head are MatMulNBits; the embedding
-    Gather stays fp32."""
+    reads the head's blocks (GatherBlockQuantized)."""
     package = packages[fmt]["0,4"]
     ops = matmul_ops(package)
     assert ops["MatMulNBits"] == 2 * 5 + 1 and ops["MatMul"] == 0
@@ -97,7 +97,7 @@ def test_every_matmul_weight_is_quantized_lm_head_included(packages, fmt):
     fp32 = read_manifest(packages["fp32"]["0,4"]).runtime_graph
     # The LM head alone is 64 x 320 fp32 = 80 KiB; int4 streams about 1/6 of fp32's bytes (the scales).
     assert graph.weight_bytes < fp32.weight_bytes / (2.5 if fmt == "int8" else 4.5)
-    assert (package / ONNX_FILE).is_file()  # the vendor graph stays in the package, unchanged
+    assert not (package / ONNX_FILE).exists()  # the vendor graph only with --backend qaic or --vendor-graph
 
 
 def test_fp32_runtime_graph_is_fused_and_keeps_the_contract(packages):
@@ -149,21 +149,43 @@ def test_runtime_graph_attends_with_one_group_query_attention_per_layer(packages
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_quantized_runtime_graph_keeps_the_embedding_in_the_vendor_data(packages, fmt):
-    """A quantized graph's own data holds its quantized weights and new tables only: the embedding and the
-    norms are read from model.onnx.data, which every package of the export shares (one inode)."""
+def test_quantized_package_holds_no_fp32_copy_of_the_model(packages, fmt):
+    """An int8/int4 package is its runtime graph alone: every weight in its own data file (none read from
+    model.onnx.data, which it does not ship, nor model.onnx), no fp32 table: the embedding is gathered from the
+    tied LM head's MatMulNBits blocks (GatherBlockQuantized, as ONNX Runtime GenAI stores it)."""
     package = packages[fmt]["0,4"]
-    graph = read_manifest(package).runtime_graph
-    assert (graph.data_file, graph.vendor_data_file) == (ORT_ONNX_FILE + ".data", ONNX_FILE + ".data")
+    manifest = read_manifest(package)
+    graph = manifest.runtime_graph
+    assert (graph.data_file, graph.vendor_data_file) == (ORT_ONNX_FILE + ".data", None)
+    assert not manifest.vendor_graph and not (package / ONNX_FILE).exists()
+    assert not (package / (ONNX_FILE + ".data")).exists()
     proto = onnx.load(str(package / ORT_ONNX_FILE), load_external_data=False)
-    where = {
-        tensor.name: {entry.key: entry.value for entry in tensor.external_data}.get("location")
-        for tensor in proto.graph.initializer
-    }
-    assert where["model.embed_tokens.weight"] == ONNX_FILE + ".data"
-    assert all(where[name] == graph.data_file for name in where if name.endswith(f"_Q{fmt[-1]}"))
-    vendor = [packages[name]["0,4"] / (ONNX_FILE + ".data") for name in ("fp32", *FORMATS)]
-    assert len({path.stat().st_ino for path in vendor}) == 1 and vendor[0].stat().st_nlink >= len(vendor)
+    places = {e.value for t in proto.graph.initializer for e in t.external_data if e.key == "location"}
+    assert places == {graph.data_file}
+    tables = [
+        t.name for t in proto.graph.initializer if t.data_type == onnx.TensorProto.FLOAT and np.prod(t.dims) >= 320 * 64
+    ]
+    assert not tables  # no fp32 [vocab, hidden] table (the scales are 1/32 of it)
+    [gather] = [node for node in proto.graph.node if node.op_type == "GatherBlockQuantized"]
+    reshape = next(node for node in proto.graph.node if node.output[0] == gather.input[0])
+    head = next(
+        node for node in proto.graph.node if node.op_type == "MatMulNBits" and node.input[1] == reshape.input[0]
+    )
+    assert gather.input[2] == head.input[2]  # the LM head's blocks and scales
+    assert head.attribute and dict((a.name, a.i) for a in head.attribute)["N"] == 320  # [hidden, vocab]
+    assert graph.fusions["quantized_tables"] == 1
+
+
+def test_untied_embedding_is_block_quantized_on_its_own(tiny_model, tmp_path):
+    """An untied model's embedding gets its own GatherBlockQuantized table (ONNX Runtime's block quantizer,
+    a row per token); speculative greedy still equals plain greedy."""
+    package, manifest, _ = compile_format(tiny_model("llama", tie=False), tmp_path / "untied", "0,4", "int4")
+    proto = onnx.load(str(package / ORT_ONNX_FILE), load_external_data=False)
+    [gather] = [node for node in proto.graph.node if node.op_type == "GatherBlockQuantized"]
+    reshape = next(node for node in proto.graph.node if node.output[0] == gather.input[0])
+    assert reshape.input[0] == "model.embed_tokens.weight_Q4"
+    assert "Gather" not in {node.op_type for node in proto.graph.node if node.input[0] == "model.embed_tokens.weight"}
+    assert run(package, PROMPTS, method="pld")[0] == run(package, PROMPTS, method="none")[0]
 
 
 def test_fp32_runtime_graph_reads_the_vendor_graphs_weights(packages):

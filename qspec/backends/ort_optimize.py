@@ -42,6 +42,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from qspec import contract
+from qspec.backends.ort_gguf import BLOCK as GGUF_BLOCK
+from qspec.backends.ort_gguf import GGUFBlocks
 from qspec.common import build_directory
 from qspec.onnx_files import load_model, save_model
 from qspec.package import (
@@ -68,7 +70,7 @@ ACCURACY_LEVEL = INT8_ACTIVATIONS
 SYMMETRIC = True
 # Bump when the recipe below changes: cached runtime graphs are keyed by it (and packages, whose draft
 # head graph is built with it: 28, the head's call plan).
-RECIPE_VERSION = 28
+RECIPE_VERSION = 29
 GRAPH_META = "graph.json"
 # Initializers below this size stay inside the .onnx file.
 EXTERNAL_MIN_BYTES = 1024
@@ -146,6 +148,29 @@ def materialize_transposed_weights(model) -> int:
     return before - _count_ops(model, "Transpose")
 
 
+def tied_tables(model) -> dict[str, str]:
+    """``{LM head weight: embedding table}`` of a tied head, ``MatMul(x, Transpose(table))`` beside
+    ``Gather(table, ids)``: the name the head's weight gets when :func:`materialize_transposed_weights` folds it."""
+    gathered = {node.inputs[0].name for node in model.graph if _is_table_gather(node)}
+    return {
+        node.outputs[0].name: node.inputs[0].name
+        for node in model.graph
+        if node.op_type == "Transpose"
+        and node.inputs[0] is not None
+        and node.inputs[0].name in gathered
+        and any(user.op_type == "MatMul" for user, _ in node.outputs[0].uses())
+    }
+
+
+def _is_table_gather(node) -> bool:
+    """A Gather of rows (axis 0) of a constant 2-D float table: an embedding lookup."""
+    if node.op_type != "Gather" or node.domain not in ("", "ai.onnx") or node.attributes.get_int("axis", 0) != 0:
+        return False
+    table = node.inputs[0]
+    tensor = table.const_value if table is not None and table.is_initializer() else None
+    return tensor is not None and len(tensor.shape) == 2 and tensor.dtype.name == "FLOAT"
+
+
 def quantize_matmuls(
     proto, bits: int, *, block_size: int = BLOCK_SIZE, accuracy_level: int = ACCURACY_LEVEL, symmetric: bool = SYMMETRIC
 ):
@@ -168,31 +193,36 @@ def quantize_streamed(
     bits: int,
     data: Path,
     *,
-    kept: Path | None = None,
     block_size: int = BLOCK_SIZE,
     accuracy_level: int = ACCURACY_LEVEL,
     symmetric: bool = SYMMETRIC,
+    tied: dict[str, str] | None = None,
+    gguf_blocks: GGUFBlocks | None = None,
     progress: Progress | None = None,
 ) -> int:
-    """:func:`quantize_matmuls` on an ``onnx_ir`` model one weight at a time; returns how many MatMuls.
+    """:func:`quantize_matmuls` on an ``onnx_ir`` model one weight at a time, then the embedding tables
+    (:func:`_quantize_tables`); returns how many MatMuls.
 
     ONNX Runtime's block quantizer (the kernel ``MatMulNBitsQuantizer`` calls) runs on each weight, and a
-    ``MatMulNBits`` node as that quantizer makes it takes the MatMul's place. Every weight of the result
-    (quantized or kept) is appended to ``data`` at once, each at a page boundary, and the model points
-    at it: memory holds one weight and its quantized form, never the graph's weights (a fp32 8B graph
-    is 32 GB). Kept weights already in the file ``kept`` (the source graph's data) stay there.
+    ``MatMulNBits`` node as that quantizer makes it takes the MatMul's place; a weight whose blocks a GGUF
+    source holds in a type ``MatMulNBits`` represents exactly takes those blocks instead (``gguf_blocks``,
+    :mod:`qspec.backends.ort_gguf`). Every weight of the result (quantized or kept: norms, RoPE tables) is
+    appended to ``data`` at once, each at a page boundary, and the model points at it: memory holds one
+    weight and its quantized form, never the graph's weights (a fp32 8B graph is 32 GB), and the graph
+    reads no fp32 copy of the model.
     """
     import onnx_ir as ir
 
     say = progress or (lambda message: None)
     targets = [node for node in model.graph if _quantizable(node)]
     done: dict[str, tuple] = {}  # weight name -> (MatMulNBits inputs beside the activation, attributes, name suffix)
+    settings = (block_size, accuracy_level, symmetric)
     begin, last = time.perf_counter(), 0.0
     with open(data, "wb") as sink:
         for count, node in enumerate(targets, 1):
             weight = node.inputs[1]
             if weight.name not in done:
-                done[weight.name] = _quantize_weight(weight, bits, (block_size, accuracy_level, symmetric), sink, data)
+                done[weight.name] = _quantize_weight(weight, bits, settings, sink, data, gguf_blocks)
                 for value in done[weight.name][0]:
                     if value is not None:
                         model.graph.register_initializer(value)
@@ -216,10 +246,10 @@ def quantize_streamed(
             if now - last >= 2.0 or count == len(targets):
                 last, rate = now, count / (now - begin)
                 say(f"quantizing weights: {count}/{len(targets)} MatMuls, ETA {(len(targets) - count) / rate:.0f} s")
-        for value in model.graph.initializers.values():  # what stays: embedding, norms, tables
+        _quantize_tables(model, bits, settings, sink, data, done, tied or {}, gguf_blocks)
+        for value in model.graph.initializers.values():  # what stays: norms, RoPE tables
             tensor = value.const_value
-            stored = _in_file(tensor, data) or (kept is not None and _in_file(tensor, kept))
-            if tensor is not None and tensor.nbytes >= EXTERNAL_MIN_BYTES and not stored:
+            if tensor is not None and tensor.nbytes >= EXTERNAL_MIN_BYTES and not _in_file(tensor, data):
                 value.const_value = _append(sink, tensor, data)
     model.opset_imports.setdefault(MS_DOMAIN, 1)
     return len(targets)
@@ -237,31 +267,45 @@ def _quantizable(node) -> bool:
     return tensor is not None and len(tensor.shape) == 2 and tensor.dtype.name == "FLOAT"
 
 
-def _quantize_weight(weight, bits: int, settings: tuple, sink, data: Path):
-    """ONNX Runtime's block quantizer on ``weight`` alone: (its MatMulNBits inputs, appended to ``sink``;
-    the node's attributes; its name suffix), named and laid out as ``MatMulNBitsQuantizer`` makes them.
-
-    A weight in C order is read in place (a view of the mapped file where it is external), without a copy.
-    """
-    import numpy as np
-    import onnx_ir as ir
+def _block_quantize(array, bits: int, settings: tuple, gguf_blocks: GGUFBlocks | None):
+    """``array`` ``[K, N]`` in blocks along K: (bits, B ``[N, K / block, block * bits / 8]``, scales, zero points or
+    None), the GGUF source's own blocks where it holds them exactly, else ONNX Runtime's block quantizer's."""
     from onnxruntime.quantization.matmul_nbits_quantizer import (
         DefaultWeightOnlyQuantConfig,
         DefaultWeightOnlyQuantizer,
     )
 
     block_size, accuracy_level, symmetric = settings
+    if gguf_blocks is not None and symmetric and block_size == GGUF_BLOCK:
+        carried = gguf_blocks.blocks_for(array)
+        if carried is not None:
+            return carried.bits, carried.packed, carried.scales, None
     config = DefaultWeightOnlyQuantConfig(
         block_size=block_size, is_symmetric=symmetric, accuracy_level=accuracy_level, bits=bits
     )
+    packed, scales, zero_points = DefaultWeightOnlyQuantizer(config).qbits_block_quant(array)
+    return bits, packed, scales, None if symmetric else zero_points
+
+
+def _quantize_weight(weight, bits: int, settings: tuple, sink, data: Path, gguf_blocks: GGUFBlocks | None = None):
+    """ONNX Runtime's block quantizer (or the GGUF source's blocks) on ``weight`` alone: (its MatMulNBits inputs,
+    appended to ``sink``; the node's attributes; its name suffix), named and laid out as ``MatMulNBitsQuantizer``
+    makes them.
+
+    A weight in C order is read in place (a view of the mapped file where it is external), without a copy.
+    """
+    import numpy as np
+    import onnx_ir as ir
+
+    block_size, accuracy_level, _ = settings
     # [K, N], C order: the kernel reads raw memory (a folded tied head is a transposed view of the embedding)
     array = np.ascontiguousarray(weight.const_value.numpy())
-    packed, scales, zero_points = DefaultWeightOnlyQuantizer(config).qbits_block_quant(array)
+    bits, packed, scales, zero_points = _block_quantize(array, bits, settings, gguf_blocks)
     k, n = array.shape
     del array
     _release(weight.const_value)
     arrays = {f"{weight.name}_Q{bits}": packed, f"{weight.name}_scales": scales}
-    if not symmetric:
+    if zero_points is not None:
         arrays[f"{weight.name}_zero_points"] = zero_points
     values = []
     for name, quantized in arrays.items():
@@ -271,6 +315,71 @@ def _quantize_weight(weight, bits: int, settings: tuple, sink, data: Path):
     if accuracy_level:  # the quantizer leaves an unset level out
         attributes["accuracy_level"] = accuracy_level
     return values, attributes, f"_Q{bits}"
+
+
+def _quantize_tables(model, bits: int, settings: tuple, sink, data: Path, done: dict, tied: dict, gguf_blocks) -> None:
+    """Every embedding ``Gather`` -> ``GatherBlockQuantized``, as ONNX Runtime GenAI's builder stores it: a tied
+    table reads the LM head's ``MatMulNBits`` blocks (reshaped to ``[vocab, hidden * bits / 8]``) and scales, so
+    the table is stored once, in the head's format; an untied one is block-quantized on its own, each token's
+    row as a MatMul weight's output row (the GGUF source's blocks where it holds them exactly)."""
+    import numpy as np
+
+    heads = {table: head for head, table in tied.items() if head in done}
+    quantized: dict[str, tuple] = {}  # table name -> (B, scales, bits)
+    for node in [node for node in model.graph if _is_table_gather(node)]:
+        table = node.inputs[0]
+        if table.shape[1] % settings[0]:  # GatherBlockQuantized takes whole blocks only
+            continue
+        if table.name in heads:
+            values, attributes, _ = done[heads[table.name]]
+            quantized[table.name] = (values[0], values[1], attributes["bits"])
+        elif table.name not in quantized:
+            array = np.ascontiguousarray(table.const_value.numpy().T)  # [hidden, vocab]: a row per token
+            used, packed, scales, _ = _block_quantize(array, bits, (*settings[:2], True), gguf_blocks)
+            del array
+            arrays = {f"{table.name}_Q{used}": packed, f"{table.name}_scales": scales}
+            quantized[table.name] = (*(_store(model, sink, data, name, a) for name, a in arrays.items()), used)
+        _gather_blocks(model, node, *quantized[table.name], block_size=settings[0])
+        if not table.uses() and table.name in model.graph.initializers:
+            model.graph.initializers.pop(table.name)
+            _release(table.const_value)
+
+
+def _gather_blocks(model, node, blocks, scales, bits: int, *, block_size: int) -> None:
+    """Replace the table ``Gather`` ``node`` by ``GatherBlockQuantized`` over ``Reshape(blocks)`` and ``scales``."""
+    import numpy as np
+    import onnx_ir as ir
+
+    vocab, hidden = node.inputs[0].shape
+    name = f"{blocks.name}_shape"
+    if name not in model.graph.initializers:
+        model.graph.register_initializer(
+            ir.Value(name=name, const_value=ir.tensor(np.array([vocab, hidden * bits // 8])))
+        )
+    reshape = ir.node("Reshape", [blocks, model.graph.initializers[name]], name=f"{node.name}_reshape")
+    gather = ir.node(
+        "GatherBlockQuantized",
+        [reshape.outputs[0], node.inputs[1], scales],
+        attributes={"gather_axis": 0, "quantize_axis": 1, "block_size": block_size, "bits": bits},
+        domain=MS_DOMAIN,
+        name=f"{node.name}_Q{bits}",
+    )
+    model.graph.insert_before(node, [reshape, gather])
+    out = node.outputs[0]
+    name = out.name
+    out.replace_all_uses_with(gather.outputs[0], replace_graph_outputs=True)
+    model.graph.remove(node, safe=True)
+    gather.outputs[0].name = name
+
+
+def _store(model, sink, data: Path, name: str, array):
+    """``array`` appended to ``data`` as the initializer ``name`` of ``model``; its value."""
+    import onnx_ir as ir
+
+    tensor = _append(sink, ir.tensor(array, name=name), data)
+    value = ir.Value(name=name, shape=tensor.shape, type=ir.TensorType(tensor.dtype), const_value=tensor)
+    model.graph.register_initializer(value)
+    return value
 
 
 def _append(sink, tensor, data: Path):
@@ -319,7 +428,7 @@ def streamed_weight_bytes(path: Path) -> int:
     import onnx
 
     proto = onnx.load(str(path), load_external_data=False)
-    lookups = {"Gather", "GatherBlockQuantized", "GroupQueryAttention"}
+    lookups = {"Gather", "GatherBlockQuantized", "GroupQueryAttention", "Reshape"}  # Reshape: a table's blocks
     users: dict[str, set[str]] = collections.defaultdict(set)
     for node in proto.graph.node:
         for name in node.input:
@@ -344,8 +453,12 @@ def optimize_graph(
     attention: AttentionInfo | None = None,
     rope_positions: int = 0,
     lone_query: bool = False,
+    gguf: Path | None = None,
 ) -> RuntimeGraph:
     """Write the embedded backend's graph of ``source`` (the contract graph) to ``target``.
+
+    ``gguf``: the GGUF file the model was exported from: int8/int4 weights it holds in blocks ``MatMulNBits``
+    represents exactly are carried over as they are (:mod:`qspec.backends.ort_gguf`).
 
     ``attention``: the export's :class:`AttentionInfo`; with it, attention becomes ONNX Runtime's
     ``GroupQueryAttention`` (:mod:`qspec.backends.ort_attention`) with a RoPE table of
@@ -376,23 +489,31 @@ def optimize_graph(
         if lone:
             fusions[LONE_QUERY] = 1
         drop_unused_functions(model)  # the KV's CtxScatter/CtxGather: attention no longer calls them
-    quantized = 0
+    quantized, carried = 0, {}
     own_data, vendor_data = target.with_name(target.name + ".data"), source.name + ".data"
     if bits is None:
         externalize_own_weights(model, own_data)  # the packed q/k/v and tables; the rest stays in the source's
     else:
+        tied = tied_tables(model)
         fusions["materialized_weights"] = materialize_transposed_weights(model)
+        gguf_blocks = None
+        if gguf is not None:
+            say(f"reading the GGUF blocks of {gguf.name}")
+            gguf_blocks = GGUFBlocks.index(gguf)
         say(f"quantizing MatMul weights to {weight_format} (MatMulNBits, block {block_size}), one at a time")
         quantized = quantize_streamed(
             model,
             bits,
             own_data,
-            kept=source.with_name(vendor_data),
             block_size=block_size,
             accuracy_level=accuracy_level,
             symmetric=symmetric,
+            tied=tied,
+            gguf_blocks=gguf_blocks,
             progress=say,
         )
+        fusions["quantized_tables"] = _count_ops(model, "GatherBlockQuantized")
+        carried = dict(gguf_blocks.carried) if gguf_blocks is not None else {}
     data_files = _data_files(model)
     omit_unused_statistics(model)
     save_model(model, target)
@@ -404,6 +525,7 @@ def optimize_graph(
         block_size=block_size if bits else None,
         accuracy_level=accuracy_level if bits else None,
         symmetric=symmetric if bits else None,
+        gguf_blocks=carried,
         data_file=own_data.name if own_data.name in data_files else vendor_data,
         vendor_data_file=vendor_data if {own_data.name, vendor_data} <= data_files else None,
         weight_bytes=streamed_weight_bytes(target),
@@ -443,6 +565,7 @@ def cached_runtime_graph(
     attention: AttentionInfo | None = None,
     positions: int = 0,
     lone_query: bool = False,
+    gguf: Path | None = None,
 ) -> tuple[Path, RuntimeGraph]:
     """The runtime graph of an export (folder holding ``model.ort.onnx`` and its ``.data``), built once.
 
@@ -451,11 +574,12 @@ def cached_runtime_graph(
     table of a GroupQueryAttention graph gets the next power of two, so a few graphs serve every ``ctx_len``.
     """
     rope_positions = 1 << max(positions - 1, 0).bit_length() if attention is not None else 0
+    gguf = gguf if weight_format in BITS else None  # an fp32 graph keeps the export's weights
     from qspec.export.exporter import ONNX_FILE, cache_root
 
     settings = (
         f"{export_key}|{weight_format}|{BLOCK_SIZE}|{ACCURACY_LEVEL}|{SYMMETRIC}|{rope_positions}|{RECIPE_VERSION}|"
-        f"{_versions()}|{'lone' if lone_query else 'padded'}"
+        f"{_versions()}|{'lone' if lone_query else 'padded'}|{'gguf' if gguf is not None else ''}"
     )
     key = hashlib.sha256(settings.encode()).hexdigest()[:24]
     final = cache_root() / "ort-graphs" / key
@@ -471,6 +595,7 @@ def cached_runtime_graph(
             attention=attention,
             rope_positions=rope_positions,
             lone_query=lone_query,
+            gguf=gguf,
         )
         (folder / GRAPH_META).write_text(graph.model_dump_json(indent=2) + "\n")
         return graph

@@ -198,7 +198,12 @@ def compile_for(
     )
     output = root / package_name(model, batch, ks, options, weight_format)
     head = str(options.draft_head) if options.draft_head is not None else None
-    compile_options = CompileOptions.create(specialization=spec, weight_format=weight_format, draft_head=head)
+    # The bucketed fp32 package also ships model.onnx: the bench times the vendor graph's buckets on it (its
+    # weights are the runtime graph's, stored once).
+    vendor = weight_format == "fp32" and bool(options.comp_ctx_lengths_decode)
+    compile_options = CompileOptions.create(
+        specialization=spec, weight_format=weight_format, draft_head=head, vendor_graph=vendor
+    )
     folder, _, _ = compile_package(model, compile_options, output=output)
     return folder
 

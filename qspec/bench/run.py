@@ -178,7 +178,7 @@ def run_micro(
                     num_threads=options.num_threads,
                 )
             )
-        if weight_format == "fp32" and batch == 1 and len(model.decode_buckets) > 1:
+        if weight_format == "fp32" and batch == 1 and len(model.decode_buckets) > 1 and model.manifest.vendor_graph:
             # The buckets bound what the vendor graph's attention reads; the runtime graph's
             # GroupQueryAttention reads only up to each row's position whatever the bucket.
             from qspec.runtime.model import CompiledModel

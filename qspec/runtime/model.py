@@ -70,6 +70,11 @@ class CompiledModel(LoadedModel):
         package compiled with ``--prefill-seq-len`` would run (its graphs take any ``seq_len``); the
         bench times TTFT per chunk size with it."""
         self._read_package(package, prefill_seq_len)
+        if vendor_graph and not self.manifest.vendor_graph:
+            raise PackageError(
+                f"{self.package} holds no {ONNX_FILE} (an ort package ships its runtime graph only); "
+                "compile it with --vendor-graph"
+            )
         self.session_mode = session_mode
         model = self.manifest.model
         specs = self.specs
