@@ -216,3 +216,29 @@ def test_graceful_sigint_exits_0(package):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+def test_spec_metrics_per_request_when_asked(spec_server):
+    """``return_spec_metrics``: each choice's drafts, draft tokens, accepted tokens and accepted tokens per
+    position, equal to what /metrics counted for it; absent unless asked."""
+    before = spec_server.metrics()
+    body = {"model": MODEL, "prompt": "abcabcabcabcabcabc", "max_tokens": 24, "return_spec_metrics": True}
+    reply = httpx.post(f"{spec_server.url}/v1/completions", json=body, timeout=30).json()
+    after = spec_server.metrics()
+    moved = {name: after[name] - before.get(name, 0) for name in after}
+    stats = reply["choices"][0]["spec_decode"]
+    assert stats["num_accepted_tokens"] > 0
+    assert stats["num_drafts"] == moved["qspec:spec_decode_num_drafts_total"]
+    assert stats["num_draft_tokens"] == moved["qspec:spec_decode_num_draft_tokens_total"]
+    assert (
+        stats["num_accepted_tokens"]
+        == moved["qspec:spec_decode_num_accepted_tokens_total"]
+        == sum(stats["accepted_per_position"])
+    )
+    per_pos = [moved[f'qspec:spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}'] for i in range(4)]
+    assert stats["accepted_per_position"] == per_pos
+    streamed = events(spec_server.url, "/v1/completions", {**body, "stream": True})
+    assert streamed[-1]["choices"][0]["spec_decode"] == stats
+    assert all("spec_decode" not in c["choices"][0] for c in streamed[:-1])
+    plain = httpx.post(f"{spec_server.url}/v1/completions", json={**body, "return_spec_metrics": False}).json()
+    assert "spec_decode" not in plain["choices"][0]

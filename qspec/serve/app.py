@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -40,6 +41,7 @@ from qspec.serve.protocol import (
     DeltaMessage,
     ModelCard,
     ModelList,
+    SpecDecodeStats,
     Usage,
     new_id,
 )
@@ -48,10 +50,19 @@ from qspec.serve.worker import EngineWorker, Ticket
 DONE = "data: [DONE]\n\n"
 
 
-def sse(chunk, *, include_usage: bool) -> str:
+def dumped(response, *, usage: bool = True, spec: bool = False) -> dict:
+    """``response`` as JSON data: ``usage`` only when there is one to send, each choice's ``spec_decode`` only
+    when the request asked for it (``return_spec_metrics``); OpenAI's own fields as OpenAI sends them."""
+    exclude: dict = {} if usage else {"usage": True}
+    if not spec:
+        exclude["choices"] = {"__all__": {"spec_decode"}}
+    return response.model_dump(mode="json", exclude=exclude or None)
+
+
+def sse(chunk, *, include_usage: bool, spec: bool = False) -> str:
     """One server-sent event. As OpenAI sends them: a chunk has a ``usage`` field (``null`` but in the last
     chunk) only when the request asked for ``stream_options.include_usage``."""
-    return f"data: {chunk.model_dump_json(exclude=None if include_usage else {'usage'})}\n\n"
+    return f"data: {json.dumps(dumped(chunk, usage=include_usage, spec=spec))}\n\n"
 
 
 async def _disconnected(request: Request) -> None:
@@ -101,6 +112,7 @@ class Choice:
     tokens: int = 0
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    spec: SpecDecodeStats | None = None
 
 
 ChunkMaker = Callable[[int, str, "str | None", list[TokenLogprob]], object]  # (choice, text, finish, logprobs)
@@ -111,6 +123,9 @@ class Frontend:
 
     def __init__(self, engine: Engine, worker: EngineWorker, served_model_name: str):
         self.engine, self.worker, self.name = engine, worker, served_model_name
+
+    def spec_stats(self) -> SpecDecodeStats:
+        return SpecDecodeStats(accepted_per_position=[0] * self.engine.k_max)
 
     def submit(self, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int]) -> list[Ticket]:
         """Check the request and queue its ``n`` choices for the engine (before any response byte: errors keep
@@ -134,9 +149,10 @@ class Frontend:
 
     async def collect(self, tickets: list[Ticket], request: Request) -> list[Choice] | None:
         """Every choice once finished, or None when the client went away."""
-        choices = [Choice() for _ in tickets]
+        choices = [Choice(spec=self.spec_stats()) for _ in tickets]
         async for i, delta in deltas_of(self.worker, tickets, request):
             choice = choices[i]
+            choice.spec.observe(delta.proposed, delta.accepted)
             choice.text += delta.text
             choice.tokens += len(delta.token_ids)
             choice.logprobs += delta.logprobs
@@ -149,20 +165,23 @@ class Frontend:
         request: Request,
         *,
         include_usage: bool,
+        spec: bool,
         chunk: ChunkMaker,
         usage_chunk: Callable[[Usage], object],
     ) -> AsyncIterator[str]:
-        """Server-sent events: per choice one chunk per step with new text, its finish chunk; then usage if
-        asked, ``[DONE]``."""
-        tokens = 0
+        """Server-sent events: per choice one chunk per step with new text, its finish chunk (with its
+        ``spec_decode`` when asked); then usage if asked, ``[DONE]``."""
+        tokens, stats = 0, [self.spec_stats() for _ in tickets]
         try:
             async for i, delta in deltas_of(self.worker, tickets, request):
                 tokens += len(delta.token_ids)
+                stats[i].observe(delta.proposed, delta.accepted)
                 if (delta.text or delta.logprobs) and not delta.finished:
                     yield sse(chunk(i, delta.text, None, delta.logprobs), include_usage=include_usage)
                 if delta.finished:
                     final = chunk(i, delta.text, delta.finish_reason, delta.logprobs)
-                    yield sse(final, include_usage=include_usage)
+                    final.choices[0].spec_decode = stats[i]
+                    yield sse(final, include_usage=include_usage, spec=spec)
             if include_usage:
                 yield sse(usage_chunk(Usage.of(len(tickets[0].prompt_ids), tokens)), include_usage=True)
         except Exception as exc:  # the status line is sent: the error travels as an event
@@ -233,20 +252,27 @@ def create_app(engine: Engine, worker: EngineWorker, *, served_model_name: str, 
         if body.stream:
             usage_chunk = lambda usage: CompletionResponse(id=rid, model=served_model_name, choices=[], usage=usage)  # noqa: E731
             events = front.stream(
-                tickets, request, include_usage=body.include_usage, chunk=chunk, usage_chunk=usage_chunk
+                tickets,
+                request,
+                include_usage=body.include_usage,
+                spec=body.return_spec_metrics,
+                chunk=chunk,
+                usage_chunk=usage_chunk,
             )
             return StreamingResponse(events, media_type="text/event-stream")
         done = await front.collect(tickets, request)
         if done is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
         choices = [chunk(i, c.text, c.finish_reason, c.logprobs).choices[0] for i, c in enumerate(done)]
+        for choice, c in zip(choices, done):
+            choice.spec_decode = c.spec
         response = CompletionResponse(
             id=rid,
             model=served_model_name,
             choices=choices,
             usage=Usage.of(len(prompt_ids), sum(c.tokens for c in done)),
         )
-        return JSONResponse(response.model_dump())
+        return JSONResponse(dumped(response, spec=body.return_spec_metrics))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -270,7 +296,12 @@ def create_app(engine: Engine, worker: EngineWorker, *, served_model_name: str, 
 
             usage_chunk = lambda usage: ChatCompletionChunk(id=rid, model=served_model_name, choices=[], usage=usage)  # noqa: E731
             events = front.stream(
-                tickets, request, include_usage=body.include_usage, chunk=chunk, usage_chunk=usage_chunk
+                tickets,
+                request,
+                include_usage=body.include_usage,
+                spec=body.return_spec_metrics,
+                chunk=chunk,
+                usage_chunk=usage_chunk,
             )
             return StreamingResponse(events, media_type="text/event-stream")
         done = await front.collect(tickets, request)
@@ -282,12 +313,13 @@ def create_app(engine: Engine, worker: EngineWorker, *, served_model_name: str, 
                 message=AssistantMessage(content=c.text),
                 logprobs=logprobs_of(c.logprobs),
                 finish_reason=c.finish_reason,
+                spec_decode=c.spec,
             )
             for i, c in enumerate(done)
         ]
         usage = Usage.of(len(prompt_ids), sum(c.tokens for c in done))
         response = ChatCompletionResponse(id=rid, model=served_model_name, choices=choices, usage=usage)
-        return JSONResponse(response.model_dump())
+        return JSONResponse(dumped(response, spec=body.return_spec_metrics))
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)
     async def unknown_route(path: str, request: Request) -> Response:

@@ -65,6 +65,7 @@ class _GenerationRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension: generate up to max_tokens whatever the model says
+    return_spec_metrics: bool = False  # extension: each choice's speculation counts (``spec_decode``)
     user: str | None = None  # accepted and ignored, as an identifier for the client's own logs
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
@@ -211,6 +212,26 @@ class Usage(BaseModel):
         )
 
 
+class SpecDecodeStats(BaseModel):
+    """One choice's speculation, in /metrics' terms: verify calls that carried drafts, draft tokens verified,
+    those accepted, and accepted tokens by draft position (``[i]``: steps whose draft ``i`` was accepted)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = Field(default_factory=list)
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        """One step's counts; a step without drafts is no draft."""
+        if not proposed:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted
+        for pos in range(accepted):
+            self.accepted_per_position[pos] += 1
+
+
 class CompletionLogprobs(BaseModel):
     """The legacy completions shape: one entry per token in every list."""
 
@@ -225,6 +246,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
+    spec_decode: SpecDecodeStats | None = None  # with return_spec_metrics, when the choice is finished
 
 
 class CompletionResponse(BaseModel):
@@ -262,6 +284,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason
+    spec_decode: SpecDecodeStats | None = None  # with return_spec_metrics
 
 
 class ChatCompletionResponse(BaseModel):
@@ -283,6 +306,7 @@ class ChatChunkChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
+    spec_decode: SpecDecodeStats | None = None  # with return_spec_metrics, in a choice's finish chunk
 
 
 class ChatCompletionChunk(BaseModel):
