@@ -77,6 +77,12 @@ def serve(
     served_model_name: Annotated[
         Optional[str], typer.Option(help="The `model` clients send (default: the package folder's name).")
     ] = None,
+    prefix_cache: Annotated[
+        bool,
+        typer.Option(
+            help="Reuse a finished request's KV for a prompt that starts with its tokens (a conversation's next turn)."
+        ),
+    ] = True,
     api_key: Annotated[
         Optional[str],
         typer.Option(
@@ -113,6 +119,7 @@ def serve(
             max_waiting=max_waiting,
             num_threads=num_threads,
             spinning=spinning,
+            prefix_cache=prefix_cache,
             shutdown_timeout=shutdown_timeout,
             log_level=log_level,
             api_key=api_key,
@@ -174,15 +181,17 @@ def serve_load(
         else:
             print(
                 f"{'method':8} {'ok':>5} {'req/s':>7} {'out tok/s':>9} {'TTFT p50/p99 ms':>17} {'ITL p50/p99 ms':>15} "
-                f"{'TPOT p50':>8} {'accept':>7} {'mean len':>8}"
+                f"{'TPOT p50':>8} {'accept':>7} {'mean len':>8} {'prefix hit':>10}"
             )
             for r in reports:
                 rate_text = f"{r.acceptance_rate:.0%}" if r.acceptance_rate is not None else "-"
                 length = f"{r.mean_acceptance_length:.2f}" if r.mean_acceptance_length is not None else "-"
+                hits = f"{r.prefix_cache_hit_rate:.0%}" if r.prefix_cache_hit_rate is not None else "-"
                 print(
                     f"{r.method:8} {r.completed:>2}/{r.requests:<2} {r.requests_per_s:7.3f} "
                     f"{r.output_tokens_per_s:9.1f} {r.ttft_ms_p50:8.0f}/{r.ttft_ms_p99:<8.0f} "
-                    f"{r.itl_ms_p50:7.1f}/{r.itl_ms_p99:<7.1f} {r.tpot_ms_p50:8.1f} {rate_text:>7} {length:>8}"
+                    f"{r.itl_ms_p50:7.1f}/{r.itl_ms_p99:<7.1f} {r.tpot_ms_p50:8.1f} {rate_text:>7} {length:>8} "
+                    f"{hits:>10}"
                 )
         bad = [(r.method, r.failed, len(r.mismatched)) for r in reports if r.failed or r.mismatched]
         if bad:

@@ -41,6 +41,7 @@ from qspec.runtime.dispatch import Dispatcher, check_mode, restrict_ks
 from qspec.runtime.load import load_model
 from qspec.runtime.metrics import EngineMetrics, aggregate
 from qspec.runtime.prefill import PrefillRow, run_prefill
+from qspec.runtime.prefix import PrefixCache
 from qspec.runtime.proposal import Proposal, Proposer
 from qspec.runtime.proposers import HEAD_METHODS, METHOD_ALIASES, make_proposer
 from qspec.runtime.request import (
@@ -94,6 +95,7 @@ class Engine:
         proposer: Proposer | None = None,
         model: LoadedModel | None = None,
         backend: str = "ort",
+        prefix_cache: bool = False,
         **method_options: Any,
     ):
         """Load ``package``; ``method`` is ``none``, ``pld`` (alias ``ngram``), ``suffix``, ``user`` or ``draft``.
@@ -107,6 +109,9 @@ class Engine:
         AI 100, :mod:`qspec.runtime.qaic_session`); the engine is the same on both.
         ``force_accept`` is a testing knob: accept exactly ``min(n, force_accept)`` drafts whatever
         the target says (the output is then *not* the target's greedy output).
+        ``prefix_cache``: a request whose prompt starts with what an idle KV slot holds (an earlier request's
+        prompt and output) takes that slot and prefills only the rest (:mod:`qspec.runtime.prefix`); off for
+        methods that read the prompt's hidden states, which a reused prefix does not produce again.
         ``method_options`` go to the proposer (``prompt_lookup_min``, ``prompt_lookup_max``, ...).
         """
         # Engines may share one loaded model (weights, sessions and KV cache), one at a time.
@@ -144,6 +149,7 @@ class Engine:
         self._prefilling: list[SequenceState] = []
         self.mixed_calls = 0  # decode calls since load that also carried prompt chunks (counted under their K too)
         self._updated: dict[int, SequenceState] = {}  # requests with news for the next delta
+        self.prefix = PrefixCache(self.num_slots, enabled=prefix_cache and not self.proposer.wants_hidden_states)
         self._next_id = 0
         self.dispatcher = self.warmup(dispatch)
         self.proposer.limit_depth(self.dispatcher.useful_depth)
@@ -173,7 +179,7 @@ class Engine:
         seq.prefilled = seq.position = len(seq.prompt)
         first = sample_tokens(logits, seq.params, seq.rng)[0]
         seq.metrics.first_token(time.perf_counter())
-        self._emit(seq, [first])
+        self._emit(seq, [first], logits)
 
     def next_chunks(self) -> list[tuple[SequenceState, int, list[int]]]:
         """``(seq, start, tokens)``: the next ``prefill_seq_len`` prompt tokens of every prefilling request."""
@@ -266,13 +272,14 @@ class Engine:
             if hidden is not None:  # the rows of `last` and the accepted drafts: each precedes an emitted token
                 self.proposer.observe_hidden(seq.index, seq.position, hidden[seq.slot, : len(tokens)])
             seq.position += len(tokens)  # `last` and the accepted drafts are now in the cache
-            self._emit(seq, tokens)
+            self._emit(seq, tokens, row)
 
     # ------------------------------------------------------------------ bookkeeping
 
-    def _emit(self, seq: SequenceState, tokens: list[int]) -> None:
-        """Append ``tokens`` to ``seq`` until a stop; the proposer learns the tokens of a sequence that goes on."""
-        kept = seq.append(tokens, self.eos_token_ids, self.model.ctx_len)
+    def _emit(self, seq: SequenceState, tokens: list[int], logits: np.ndarray | None = None) -> None:
+        """Append ``tokens`` (picked from ``logits`` rows) to ``seq`` until a stop; the proposer learns the
+        tokens of a sequence that goes on."""
+        kept = seq.append(tokens, self.eos_token_ids, self.model.ctx_len, logits)
         self._updated[seq.index] = seq
         if seq.finish_reason is None:
             self.proposer.extend(seq.index, kept)
@@ -357,7 +364,7 @@ class Engine:
             group = []
             while self._waiting and None in slots and len(group) < per_call:
                 seq = self._waiting.popleft()
-                seq.slot = slots.index(None)
+                seq.slot, seq.prefilled = self.prefix.take(seq.prompt, [s for s, x in enumerate(slots) if x is None])
                 slots[seq.slot] = seq
                 self.proposer.start(seq.index, seq.prompt, seq.params, seq.rng)
                 group.append(seq)
@@ -379,6 +386,7 @@ class Engine:
             self._prefilling.remove(seq)
         seq.metrics.finish(now, len(seq.output))
         self.proposer.finish(seq.index)
+        self.prefix.release(slot, seq.cached_tokens())
         self._slots[slot] = None
         self._updated[seq.index] = seq
 

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from qspec.errors import ConfigError, PromptTooLongError
+from qspec.runtime.logprobs import TokenLogprob, token_logprobs
 from qspec.runtime.metrics import RequestMetrics
 from qspec.runtime.sampling import SamplingParams
 from qspec.runtime.tokenizer import TextStream, Tokenizer
@@ -54,6 +55,7 @@ class RequestDelta:
     accepted: int = 0  # of which accepted
     finish_reason: str | None = None  # on its last delta: "stop", "length" or "abort"
     output: RequestOutput | None = None  # on its last delta: the whole request
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of token_ids, when the request asked
 
     @property
     def finished(self) -> bool:
@@ -78,19 +80,28 @@ class SequenceState:
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     new_tokens: list[int] = field(default_factory=list)  # since the last delta
     new_text: str = ""
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)  # of new_tokens, when params.logprobs is set
 
     @property
     def prefill_done(self) -> bool:
         """Its whole prompt is in the KV slot: it decodes."""
         return self.prefilled == len(self.prompt)
 
+    def cached_tokens(self) -> list[int]:
+        """The tokens whose KV this request wrote to its slot, by position (what a later request may reuse)."""
+        written = self.position if self.prefill_done else self.prefilled
+        return (self.prompt + self.output)[:written]
+
     @property
     def remaining(self) -> int:
         return self.params.max_new_tokens - len(self.output)
 
-    def append(self, tokens: list[int], eos_token_ids: frozenset[int], ctx_len: int) -> list[int]:
+    def append(
+        self, tokens: list[int], eos_token_ids: frozenset[int], ctx_len: int, logits: np.ndarray | None = None
+    ) -> list[int]:
         """Append ``tokens`` until a stop (EOS, the token budget, a stop string, the context's end);
-        returns the tokens kept, the last of which becomes ``last``."""
+        returns the tokens kept, the last of which becomes ``last``. ``logits`` [>= len(tokens), vocab]: the
+        rows the tokens were picked from, for the log-probabilities a request with ``params.logprobs`` wants."""
         kept = []
         for token in tokens:
             kept.append(token)
@@ -103,6 +114,8 @@ class SequenceState:
                 break
         self.last = kept[-1]
         self.new_tokens.extend(kept)
+        if self.params.logprobs is not None and logits is not None:
+            self.new_logprobs.extend(token_logprobs(logits, kept, top=self.params.logprobs))
         if self.stream is not None:
             new_text = self.stream.push(kept)
             if self.params.stop:
@@ -146,8 +159,9 @@ class SequenceState:
             accepted=self.metrics.accepted - accepted,
             finish_reason=self.finish_reason,
             output=self.to_output(tokenizer) if self.finish_reason is not None else None,
+            logprobs=self.new_logprobs,
         )
-        self.new_tokens, self.new_text = [], ""
+        self.new_tokens, self.new_text, self.new_logprobs = [], "", []
         return delta
 
 

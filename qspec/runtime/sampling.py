@@ -35,6 +35,7 @@ class SamplingParams(FrozenModel):
     max_new_tokens: int = Field(default=128, ge=1)
     stop: list[str] = Field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = Field(default=None, ge=0)  # None: off; n: each token's and the n most likely
 
     @field_validator("stop")
     @classmethod

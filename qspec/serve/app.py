@@ -8,20 +8,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from qspec.runtime.engine import Engine, RequestDelta
+from qspec.runtime.logprobs import TokenLogprob
 from qspec.serve.errors import (
     bad_api_key,
     context_exceeded,
     error_response,
     install_error_handlers,
     model_not_found,
+    unknown_route_error,
 )
+from qspec.serve.logprobs import chat_logprobs, completion_logprobs
 from qspec.serve.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -29,12 +34,14 @@ from qspec.serve.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatLogprobs,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
     ModelCard,
     ModelList,
+    SpecDecodeStats,
     Usage,
     new_id,
 )
@@ -43,8 +50,19 @@ from qspec.serve.worker import EngineWorker, Ticket
 DONE = "data: [DONE]\n\n"
 
 
-def sse(chunk) -> str:
-    return f"data: {chunk.model_dump_json()}\n\n"
+def dumped(response, *, usage: bool = True, spec: bool = False) -> dict:
+    """``response`` as JSON data: ``usage`` only when there is one to send, each choice's ``spec_decode`` only
+    when the request asked for it (``return_spec_metrics``); OpenAI's own fields as OpenAI sends them."""
+    exclude: dict = {} if usage else {"usage": True}
+    if not spec:
+        exclude["choices"] = {"__all__": {"spec_decode"}}
+    return response.model_dump(mode="json", exclude=exclude or None)
+
+
+def sse(chunk, *, include_usage: bool, spec: bool = False) -> str:
+    """One server-sent event. As OpenAI sends them: a chunk has a ``usage`` field (``null`` but in the last
+    chunk) only when the request asked for ``stream_options.include_usage``."""
+    return f"data: {json.dumps(dumped(chunk, usage=include_usage, spec=spec))}\n\n"
 
 
 async def _disconnected(request: Request) -> None:
@@ -53,27 +71,51 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def deltas_of(worker: EngineWorker, ticket: Ticket, request: Request) -> AsyncIterator[RequestDelta]:
-    """A submitted request's deltas up to its last one; ends early (aborting it) when the client goes away."""
+async def deltas_of(
+    worker: EngineWorker, tickets: list[Ticket], request: Request
+) -> AsyncIterator[tuple[int, RequestDelta]]:
+    """``(choice, delta)`` of the submitted requests (one per choice) up to the last one of each, as they come;
+    ends early (aborting what is still running) when the client goes away."""
     gone = asyncio.ensure_future(_disconnected(request))
-    finished = False
+    pending = {i: asyncio.ensure_future(t.deltas.get()) for i, t in enumerate(tickets)}
+    finished: set[int] = set()
     try:
-        while not finished:
-            get = asyncio.ensure_future(ticket.deltas.get())
-            await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if not get.done():
-                get.cancel()
-                return
-            item = get.result()
-            if isinstance(item, Exception):
-                finished = True  # the engine thread is done with it
-                raise item
-            finished = item.finished
-            yield item
+        while pending:
+            await asyncio.wait({*pending.values(), gone}, return_when=asyncio.FIRST_COMPLETED)
+            ready = [i for i, get in pending.items() if get.done()]
+            if not ready:
+                return  # the client is gone
+            for i in ready:
+                item = pending.pop(i).result()
+                if isinstance(item, Exception):
+                    finished.add(i)  # the engine thread is done with it
+                    raise item
+                if item.finished:
+                    finished.add(i)
+                else:
+                    pending[i] = asyncio.ensure_future(tickets[i].deltas.get())
+                yield i, item
     finally:
         gone.cancel()
-        if not finished:
-            worker.cancel(ticket)
+        for get in pending.values():
+            get.cancel()
+        for i, ticket in enumerate(tickets):
+            if i not in finished:
+                worker.cancel(ticket)
+
+
+@dataclass
+class Choice:
+    """One finished choice: its text, token count, finish reason and (when asked) log-probabilities."""
+
+    text: str = ""
+    tokens: int = 0
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    spec: SpecDecodeStats | None = None
+
+
+ChunkMaker = Callable[[int, str, "str | None", list[TokenLogprob]], object]  # (choice, text, finish, logprobs)
 
 
 class Frontend:
@@ -82,53 +124,66 @@ class Frontend:
     def __init__(self, engine: Engine, worker: EngineWorker, served_model_name: str):
         self.engine, self.worker, self.name = engine, worker, served_model_name
 
-    def submit(self, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int]) -> Ticket:
-        """Check the request and queue it for the engine (before any response byte: errors keep their status)."""
+    def spec_stats(self) -> SpecDecodeStats:
+        return SpecDecodeStats(accepted_per_position=[0] * self.engine.k_max)
+
+    def submit(self, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int]) -> list[Ticket]:
+        """Check the request and queue its ``n`` choices for the engine (before any response byte: errors keep
+        their status)."""
         if body.model != self.name:
             raise model_not_found(body.model, self.name)
-        self.engine.check_prompt(prompt_ids)
         ctx_len, budget = self.engine.model.ctx_len, body.requested_tokens()
-        if budget is not None and len(prompt_ids) + budget > ctx_len:
+        if len(prompt_ids) + (budget or 1) > ctx_len:
             raise context_exceeded(len(prompt_ids), budget, ctx_len)
-        params = body.sampling_params(prompt_tokens=len(prompt_ids), ctx_len=ctx_len)
-        ticket = Ticket(prompt_ids, params, asyncio.get_running_loop())
-        self.worker.submit(ticket)
-        return ticket
+        loop, tickets = asyncio.get_running_loop(), []
+        try:
+            for choice in range(body.n):
+                params = body.sampling_params(prompt_tokens=len(prompt_ids), ctx_len=ctx_len, choice=choice)
+                tickets.append(Ticket(prompt_ids, params, loop))
+                self.worker.submit(tickets[-1])
+        except Exception:
+            for ticket in tickets[:-1]:
+                self.worker.cancel(ticket)
+            raise
+        return tickets
 
-    async def collect(self, ticket: Ticket, request: Request) -> tuple[str, int, str] | None:
-        """(text, completion tokens, finish reason), or None when the client went away."""
-        text, tokens = [], 0
-        async for delta in deltas_of(self.worker, ticket, request):
-            text.append(delta.text)
-            tokens += len(delta.token_ids)
-            if delta.finished:
-                return "".join(text), tokens, delta.finish_reason
-        return None
+    async def collect(self, tickets: list[Ticket], request: Request) -> list[Choice] | None:
+        """Every choice once finished, or None when the client went away."""
+        choices = [Choice(spec=self.spec_stats()) for _ in tickets]
+        async for i, delta in deltas_of(self.worker, tickets, request):
+            choice = choices[i]
+            choice.spec.observe(delta.proposed, delta.accepted)
+            choice.text += delta.text
+            choice.tokens += len(delta.token_ids)
+            choice.logprobs += delta.logprobs
+            choice.finish_reason = delta.finish_reason
+        return choices if all(c.finish_reason is not None for c in choices) else None
 
     async def stream(
         self,
-        ticket: Ticket,
+        tickets: list[Ticket],
         request: Request,
         *,
         include_usage: bool,
-        chunk: Callable[..., object],
+        spec: bool,
+        chunk: ChunkMaker,
         usage_chunk: Callable[[Usage], object],
     ) -> AsyncIterator[str]:
-        """Server-sent events: one chunk per step with new text, the finish chunk, usage, ``[DONE]``."""
-        tokens = 0
+        """Server-sent events: per choice one chunk per step with new text, its finish chunk (with its
+        ``spec_decode`` when asked); then usage if asked, ``[DONE]``."""
+        tokens, stats = 0, [self.spec_stats() for _ in tickets]
         try:
-            async for delta in deltas_of(self.worker, ticket, request):
+            async for i, delta in deltas_of(self.worker, tickets, request):
                 tokens += len(delta.token_ids)
-                if delta.text and not delta.finished:
-                    yield sse(chunk(delta.text, None))
+                stats[i].observe(delta.proposed, delta.accepted)
+                if (delta.text or delta.logprobs) and not delta.finished:
+                    yield sse(chunk(i, delta.text, None, delta.logprobs), include_usage=include_usage)
                 if delta.finished:
-                    usage = Usage.of(len(ticket.prompt_ids), tokens)
-                    final = chunk(delta.text, delta.finish_reason)
-                    if not include_usage:
-                        final.usage = usage  # usage once in every stream: here, or in its own chunk
-                    yield sse(final)
-                    if include_usage:
-                        yield sse(usage_chunk(usage))
+                    final = chunk(i, delta.text, delta.finish_reason, delta.logprobs)
+                    final.choices[0].spec_decode = stats[i]
+                    yield sse(final, include_usage=include_usage, spec=spec)
+            if include_usage:
+                yield sse(usage_chunk(Usage.of(len(tickets[0].prompt_ids), tokens)), include_usage=True)
         except Exception as exc:  # the status line is sent: the error travels as an event
             yield f"data: {error_response(exc).body.decode()}\n\n"
         yield DONE
@@ -173,58 +228,101 @@ def create_app(engine: Engine, worker: EngineWorker, *, served_model_name: str, 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         prompt_ids = engine.tokenizer.encode_prompt(body.prompt)
-        ticket = front.submit(body, prompt_ids)
+        tickets = front.submit(body, prompt_ids)
         rid = new_id("cmpl")
+        echo = (
+            ""
+            if not body.echo
+            else body.prompt
+            if isinstance(body.prompt, str)
+            else engine.tokenizer.decode(prompt_ids)
+        )
+        sent = [0] * body.n  # characters of each choice's text streamed so far (logprobs' text_offset)
 
-        def chunk(text: str, finish_reason: str | None) -> CompletionResponse:
-            return CompletionResponse(
-                id=rid, model=served_model_name, choices=[CompletionChoice(text=text, finish_reason=finish_reason)]
-            )
+        def chunk(i: int, text: str, finish_reason: str | None, logprobs: list) -> CompletionResponse:
+            if sent[i] == 0:
+                text = echo + text
+            entries = None
+            if body.logprobs is not None:
+                entries = completion_logprobs(engine.tokenizer, logprobs, offset=sent[i])
+            sent[i] += len(text)
+            choice = CompletionChoice(index=i, text=text, logprobs=entries, finish_reason=finish_reason)
+            return CompletionResponse(id=rid, model=served_model_name, choices=[choice])
 
         if body.stream:
             usage_chunk = lambda usage: CompletionResponse(id=rid, model=served_model_name, choices=[], usage=usage)  # noqa: E731
             events = front.stream(
-                ticket, request, include_usage=body.include_usage, chunk=chunk, usage_chunk=usage_chunk
+                tickets,
+                request,
+                include_usage=body.include_usage,
+                spec=body.return_spec_metrics,
+                chunk=chunk,
+                usage_chunk=usage_chunk,
             )
             return StreamingResponse(events, media_type="text/event-stream")
-        result = await front.collect(ticket, request)
-        if result is None:
+        done = await front.collect(tickets, request)
+        if done is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
-        text, tokens, reason = result
-        response = chunk(text, reason)
-        response.usage = Usage.of(len(prompt_ids), tokens)
-        return JSONResponse(response.model_dump())
+        choices = [chunk(i, c.text, c.finish_reason, c.logprobs).choices[0] for i, c in enumerate(done)]
+        for choice, c in zip(choices, done):
+            choice.spec_decode = c.spec
+        response = CompletionResponse(
+            id=rid,
+            model=served_model_name,
+            choices=choices,
+            usage=Usage.of(len(prompt_ids), sum(c.tokens for c in done)),
+        )
+        return JSONResponse(dumped(response, spec=body.return_spec_metrics))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         prompt_ids = engine.tokenizer.encode_chat(body.chat_messages())
-        ticket = front.submit(body, prompt_ids)
+        tickets = front.submit(body, prompt_ids)
         rid = new_id("chatcmpl")
 
-        if body.stream:
-            started = False
+        def logprobs_of(entries: list) -> ChatLogprobs | None:
+            return chat_logprobs(engine.tokenizer, entries) if body.logprobs else None
 
-            def chunk(text: str, finish_reason: str | None) -> ChatCompletionChunk:
-                nonlocal started
-                delta = DeltaMessage(content=text or None, role=None if started else "assistant")
-                started = True
-                return ChatCompletionChunk(
-                    id=rid, model=served_model_name, choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason)]
+        if body.stream:
+            started = [False] * body.n
+
+            def chunk(i: int, text: str, finish_reason: str | None, logprobs: list) -> ChatCompletionChunk:
+                delta = DeltaMessage(content=text or None, role=None if started[i] else "assistant")
+                started[i] = True
+                choice = ChatChunkChoice(
+                    index=i, delta=delta, logprobs=logprobs_of(logprobs), finish_reason=finish_reason
                 )
+                return ChatCompletionChunk(id=rid, model=served_model_name, choices=[choice])
 
             usage_chunk = lambda usage: ChatCompletionChunk(id=rid, model=served_model_name, choices=[], usage=usage)  # noqa: E731
             events = front.stream(
-                ticket, request, include_usage=body.include_usage, chunk=chunk, usage_chunk=usage_chunk
+                tickets,
+                request,
+                include_usage=body.include_usage,
+                spec=body.return_spec_metrics,
+                chunk=chunk,
+                usage_chunk=usage_chunk,
             )
             return StreamingResponse(events, media_type="text/event-stream")
-        result = await front.collect(ticket, request)
-        if result is None:
+        done = await front.collect(tickets, request)
+        if done is None:
             return Response(status_code=499)
-        text, tokens, reason = result
-        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=reason)
-        response = ChatCompletionResponse(
-            id=rid, model=served_model_name, choices=[choice], usage=Usage.of(len(prompt_ids), tokens)
-        )
-        return JSONResponse(response.model_dump())
+        choices = [
+            ChatChoice(
+                index=i,
+                message=AssistantMessage(content=c.text),
+                logprobs=logprobs_of(c.logprobs),
+                finish_reason=c.finish_reason,
+                spec_decode=c.spec,
+            )
+            for i, c in enumerate(done)
+        ]
+        usage = Usage.of(len(prompt_ids), sum(c.tokens for c in done))
+        response = ChatCompletionResponse(id=rid, model=served_model_name, choices=choices, usage=usage)
+        return JSONResponse(dumped(response, spec=body.return_spec_metrics))
+
+    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)
+    async def unknown_route(path: str, request: Request) -> Response:
+        return error_response(unknown_route_error(request.method, f"/{path}"))
 
     return app

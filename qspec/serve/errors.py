@@ -32,14 +32,23 @@ class ServeError(QSpecError):
         self.status, self.code, self.param = status, code, param
 
 
-def context_exceeded(prompt_tokens: int, max_tokens: int, ctx_len: int) -> ServeError:
-    """vLLM's rule: the prompt plus ``max_tokens`` must fit the model's context (400)."""
+def context_exceeded(prompt_tokens: int, max_tokens: int | None, ctx_len: int) -> ServeError:
+    """vLLM's rule: the prompt plus ``max_tokens`` must fit the model's context (400). The hint is in the
+    request's own terms (its prompt and ``max_tokens``), never a command-line flag of the server."""
+    budget = max_tokens or 1  # without max_tokens a request still needs room for one token
+    asked = f"{prompt_tokens + budget} ({prompt_tokens} in the prompt, {budget} in max_tokens)"
+    if max_tokens is None:
+        asked = f"at least {prompt_tokens + 1} ({prompt_tokens} in the prompt, one to generate)"
+    room = ctx_len - budget
+    fix = f"shorten the prompt to {room} tokens or fewer"
+    if max_tokens is not None:
+        fix = f"{fix} for max_tokens={max_tokens}"
+        if prompt_tokens < ctx_len:
+            fix = f"lower max_tokens to {ctx_len - prompt_tokens} or {fix}"
     return ServeError(
-        f"this model's maximum context length is {ctx_len} tokens, but the request asks for "
-        f"{prompt_tokens + max_tokens} ({prompt_tokens} in the prompt, {max_tokens} in max_tokens); "
-        "lower max_tokens or shorten the prompt",
+        f"this model's maximum context length is {ctx_len} tokens, but the request asks for {asked}; {fix}",
         code="context_length_exceeded",
-        param="max_tokens",
+        param="max_tokens" if max_tokens is not None and prompt_tokens < ctx_len else "prompt",
     )
 
 
@@ -57,6 +66,15 @@ def model_not_found(name: str, served: str) -> ServeError:
         status=404,
         code="model_not_found",
         param="model",
+    )
+
+
+def unknown_route_error(method: str, path: str) -> ServeError:
+    return ServeError(
+        f"unknown route {method} {path}; qspec serve has GET /v1/models, POST /v1/completions, "
+        "POST /v1/chat/completions, GET /health and GET /metrics",
+        status=404,
+        code="unknown_url",
     )
 
 

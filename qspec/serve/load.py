@@ -67,6 +67,7 @@ class LoadReport(BaseModel):
     tpot_ms_p50: float
     acceptance_rate: float | None = None  # from the server's /metrics
     mean_acceptance_length: float | None = None
+    prefix_cache_hit_rate: float | None = None  # prompt tokens found in the prefix cache / looked up
     decode_calls: dict[str, float] = Field(default_factory=dict)
 
 
@@ -242,6 +243,7 @@ def summarize(
     drafts = metrics.get("qspec:spec_decode_num_drafts_total", 0)
     draft_tokens = metrics.get("qspec:spec_decode_num_draft_tokens_total", 0)
     accepted = metrics.get("qspec:spec_decode_num_accepted_tokens_total", 0)
+    queries = metrics.get("qspec:prefix_cache_queries_total", 0)
     return LoadReport(
         method=method,
         requests=len(records),
@@ -258,6 +260,7 @@ def summarize(
         tpot_ms_p50=_percentile(tpot, 50),
         acceptance_rate=round(accepted / draft_tokens, 4) if draft_tokens else None,
         mean_acceptance_length=round(1 + accepted / drafts, 3) if drafts else None,
+        prefix_cache_hit_rate=round(metrics["qspec:prefix_cache_hits_total"] / queries, 4) if queries else None,
         decode_calls={
             k.removeprefix("qspec:decode_calls_total"): v
             for k, v in metrics.items()

@@ -110,8 +110,16 @@ class ServeMetrics:
             m,
             registry=r,
         )
+        # vLLM's names: prompt tokens looked up in the prefix cache, and those found there (not prefilled again)
+        self.prefix_queries = Counter(
+            "qspec:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", m, registry=r
+        )
+        self.prefix_hits = Counter(
+            "qspec:prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled again).", m, registry=r
+        )
         self.name = model_name
         self._calls_seen: dict = {}
+        self._prefix_seen = (0, 0)
         for reason in FINISH_REASONS:  # every series exists from the start, at 0
             self.success.labels(model_name, reason)
         for pos in range(max(ks, default=0)):
@@ -128,7 +136,7 @@ class ServeMetrics:
             self.e2e,
         )
         per_model += (self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, self.prefill_calls)
-        per_model += (self.mixed_calls,)
+        per_model += (self.mixed_calls, self.prefix_queries, self.prefix_hits)
         for metric in per_model:
             metric.labels(model_name)
 
@@ -170,3 +178,10 @@ class ServeMetrics:
                 counter = own[key].labels(self.name) if key in own else self.decode_calls.labels(self.name, str(key))
                 counter.inc(new)
         self._calls_seen = totals
+
+    def prefix_cache(self, queries: int, hits: int) -> None:
+        """Move the prefix cache counters to the engine's running totals (tokens)."""
+        seen_queries, seen_hits = self._prefix_seen
+        self.prefix_queries.labels(self.name).inc(queries - seen_queries)
+        self.prefix_hits.labels(self.name).inc(hits - seen_hits)
+        self._prefix_seen = (queries, hits)

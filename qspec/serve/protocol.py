@@ -3,6 +3,8 @@
 Requests refuse unknown fields (a clear 400 instead of silently ignoring what a client asked for);
 fields clients often send with a neutral value (``presence_penalty: 0``, ``logprobs: null``, ...)
 are accepted at that value only. Extensions, as vLLM names them: ``top_k``, ``ignore_eos``.
+``logprobs`` are the target model's own log-probabilities (:mod:`qspec.runtime.logprobs`), at most
+:data:`MAX_LOGPROBS` alternatives per token.
 """
 
 from __future__ import annotations
@@ -19,17 +21,18 @@ from qspec.runtime.sampling import SamplingParams
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     "frequency_penalty": (None, 0, 0.0),
     "presence_penalty": (None, 0, 0.0),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "logit_bias": (None, {}),
     "best_of": (None, 1),
-    "echo": (None, False),
     "suffix": (None, ""),
     "parallel_tool_calls": (None, False),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "response_format": (None, {"type": "text"}),
 }
+
+
+MAX_LOGPROBS = 20  # OpenAI's bound for top_logprobs
+MAX_CHOICES = 16  # n: choices per request, each a request in the engine
 
 
 def new_id(prefix: str) -> str:
@@ -58,21 +61,18 @@ class _GenerationRequest(BaseModel):
     top_k: int | None = Field(default=None, ge=-1)  # extension; -1 or 0 = off
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension: generate up to max_tokens whatever the model says
+    return_spec_metrics: bool = False  # extension: each choice's speculation counts (``spec_decode``)
     user: str | None = None  # accepted and ignored, as an identifier for the client's own logs
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
-    logprobs: bool | int | None = None
-    top_logprobs: int | None = None
     logit_bias: dict[str, float] | None = None
 
     @model_validator(mode="after")
     def _supported(self) -> _GenerationRequest:
-        if self.n != 1:
-            raise ValueError(f"n={self.n}: qspec serve generates one choice per request; send n=1 (or leave it out)")
         for name, neutral in NEUTRAL.items():
             value = getattr(self, name, None)
             if value not in neutral:
@@ -88,8 +88,13 @@ class _GenerationRequest(BaseModel):
     def requested_tokens(self) -> int | None:
         raise NotImplementedError
 
-    def sampling_params(self, *, prompt_tokens: int, ctx_len: int) -> SamplingParams:
-        """Engine parameters; without a token budget, the rest of the context."""
+    def logprobs_wanted(self) -> int | None:
+        """None, or how many alternatives each token's log-probability comes with."""
+        raise NotImplementedError
+
+    def sampling_params(self, *, prompt_tokens: int, ctx_len: int, choice: int = 0) -> SamplingParams:
+        """Engine parameters of choice ``choice`` (of ``n``; a seeded request's choices differ by their seeds);
+        without a token budget, the rest of the context."""
         budget = self.requested_tokens()
         if budget is None:
             budget = max(1, ctx_len - prompt_tokens)
@@ -98,10 +103,11 @@ class _GenerationRequest(BaseModel):
             temperature=self.temperature or 0.0,
             top_p=self.top_p if self.top_p is not None else 1.0,
             top_k=max(0, self.top_k or 0),
-            seed=self.seed,
+            seed=None if self.seed is None else self.seed + choice,
             max_new_tokens=budget,
             stop=[s for s in stop if s],
             ignore_eos=self.ignore_eos,
+            logprobs=self.logprobs_wanted(),
         )
 
 
@@ -111,7 +117,8 @@ class CompletionRequest(_GenerationRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
     best_of: int | None = None
-    echo: bool | None = None
+    echo: bool = False  # the prompt's text before the completion's
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
 
     @model_validator(mode="after")
@@ -122,10 +129,17 @@ class CompletionRequest(_GenerationRequest):
             self.prompt = self.prompt[0]
         if not self.prompt:
             raise ValueError("prompt is empty; give at least one token")
+        if self.echo and self.logprobs is not None:
+            raise ValueError(
+                "echo with logprobs (the prompt's log-probabilities) is not supported; send echo or logprobs"
+            )
         return self
 
     def requested_tokens(self) -> int | None:
         return self.max_tokens
+
+    def logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
 
 class TextPart(BaseModel):
@@ -158,9 +172,20 @@ class ChatCompletionRequest(_GenerationRequest):
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError(f"top_logprobs={self.top_logprobs} needs logprobs=true")
+        return self
 
     def requested_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def chat_messages(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
@@ -187,11 +212,41 @@ class Usage(BaseModel):
         )
 
 
+class SpecDecodeStats(BaseModel):
+    """One choice's speculation, in /metrics' terms: verify calls that carried drafts, draft tokens verified,
+    those accepted, and accepted tokens by draft position (``[i]``: steps whose draft ``i`` was accepted)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = Field(default_factory=list)
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        """One step's counts; a step without drafts is no draft."""
+        if not proposed:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted
+        for pos in range(accepted):
+            self.accepted_per_position[pos] += 1
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions shape: one entry per token in every list."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
+    spec_decode: SpecDecodeStats | None = None  # with return_spec_metrics, when the choice is finished
 
 
 class CompletionResponse(BaseModel):
@@ -205,6 +260,20 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
@@ -213,8 +282,9 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason
+    spec_decode: SpecDecodeStats | None = None  # with return_spec_metrics
 
 
 class ChatCompletionResponse(BaseModel):
@@ -234,8 +304,9 @@ class DeltaMessage(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
+    spec_decode: SpecDecodeStats | None = None  # with return_spec_metrics, in a choice's finish chunk
 
 
 class ChatCompletionChunk(BaseModel):

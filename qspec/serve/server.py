@@ -2,11 +2,13 @@
 
 uvicorn owns SIGINT/SIGTERM: it stops accepting connections, lets in-flight requests finish for up to
 ``shutdown_timeout`` seconds and cancels the rest (their engine requests are aborted); then the app's
-lifespan stops the engine thread.
+lifespan stops the engine thread. A shutdown asked for by a signal is a normal end: ``serve`` returns
+(exit code 0) whether the SIGINT came from a terminal's Ctrl-C or from ``kill -INT``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,7 @@ class ServeOptions(FrozenModel):
     max_batch_size: int | None = Field(default=None, ge=1)
     num_threads: int | None = Field(default=None, ge=1)
     spinning: bool = True
+    prefix_cache: bool = True  # reuse an idle slot's KV for a prompt that starts with its tokens
     served_model_name: str | None = None
     max_waiting: int = Field(default=64, ge=0)
     shutdown_timeout: float = Field(default=10.0, ge=0)
@@ -71,6 +74,7 @@ def build(options: ServeOptions):
         dispatch=options.dispatch,
         num_threads=options.num_threads,
         spinning=options.spinning,
+        prefix_cache=options.prefix_cache,
         **options.method_options,
     )
     metrics = ServeMetrics(options.model_name, engine.ks if options.method != "none" else [0])
@@ -81,6 +85,19 @@ def build(options: ServeOptions):
 def make_server(app, options: ServeOptions):
     import uvicorn
 
+    class Server(uvicorn.Server):
+        """uvicorn re-raises the signal it shut down on once it is done, so the exit code depended on how
+        SIGINT was handled before (130 under a terminal, 0 where the shell ignores it for a background job);
+        a graceful shutdown is not an error: the signal is not raised again."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            with super().capture_signals():
+                try:
+                    yield
+                finally:
+                    self._captured_signals.clear()
+
     config = uvicorn.Config(
         app,
         host=options.host,
@@ -89,7 +106,7 @@ def make_server(app, options: ServeOptions):
         timeout_graceful_shutdown=options.shutdown_timeout,
         access_log=options.log_level == "debug",
     )
-    return uvicorn.Server(config)
+    return Server(config)
 
 
 def listen(options: ServeOptions) -> socket.socket:

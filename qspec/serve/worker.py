@@ -138,6 +138,7 @@ class EngineWorker:
         for delta in deltas:
             self._dispatch(delta, now)
         self.metrics.engine_calls(self.engine.calls, self.engine.mixed_calls)
+        self.metrics.prefix_cache(self.engine.prefix.queries, self.engine.prefix.hits)
         self.metrics.queue(running=self.engine.num_running, waiting=self.engine.num_waiting)
 
     def _dispatch(self, delta: RequestDelta, now: float) -> None:

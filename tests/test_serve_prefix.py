@@ -1,0 +1,86 @@
+"""Prefix reuse: a finished request's KV stays in its slot and the next request that starts with its tokens
+prefills only the rest; answers equal a cold server's, on a tiny random model."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from qspec.compile import CompileOptions, compile_package
+from qspec.runtime import Engine, SamplingParams
+from qspec.runtime.prefix import PrefixCache, common_prefix
+from qspec.specializations import make_config
+from tests.test_serve import CTX, MODEL, Server
+
+SYSTEM = "You answer in letters. " * 3  # a long shared prefix: several prefill chunks of 8 tokens
+
+
+@pytest.fixture(scope="module")
+def package(tiny_model, tmp_path_factory):
+    """The tiny llama with K in [0, 4], 4 KV slots, 8-token prefill chunks (a reused prefix ends mid-chunk)."""
+    config = make_config(num_speculative_tokens="0,4", prefill_seq_len=8, ctx_len=CTX * 4, full_batch_size=4)
+    folder = tmp_path_factory.mktemp("serve-prefix") / "pkg"
+    return compile_package(tiny_model("llama"), CompileOptions(specialization=config), output=folder)[0]
+
+
+def test_common_prefix_and_slot_choice():
+    """The longest shared prefix wins; without one the least recently released slot; never the whole prompt."""
+    assert common_prefix([1, 2, 3], [1, 2, 4]) == 2 and common_prefix([], [1]) == 0
+    cache = PrefixCache(3, enabled=True)
+    cache.release(0, [5, 6, 7])
+    cache.release(1, [1, 2, 3, 4])
+    assert cache.take([1, 2, 9], free=[0, 1, 2]) == (1, 2)
+    assert cache.take([8, 8], free=[0, 2]) == (2, 0)  # slot 2 was never used: emptiest first
+    assert cache.take([5, 6, 7], free=[0]) == (0, 2)  # the last prompt token is prefilled again
+    assert (cache.queries, cache.hits) == (8, 4)
+    off = PrefixCache(2, enabled=False)
+    off.release(1, [1, 2, 3])
+    assert off.take([1, 2, 3, 4], free=[0, 1]) == (0, 0) and off.queries == 0
+
+
+def conversation(client, turns: list[str], *, max_tokens: int = 12) -> list[str]:
+    """A chat resent whole each turn, as chat clients do: the answers, turn by turn."""
+    messages, answers = [{"role": "system", "content": SYSTEM}], []
+    for turn in turns:
+        messages.append({"role": "user", "content": turn})
+        reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0)
+        answers.append(reply.choices[0].message.content)
+        messages.append({"role": "assistant", "content": answers[-1]})
+    return answers
+
+
+@pytest.mark.parametrize("method", ["none", "pld"])
+def test_conversation_equals_a_cold_server_and_counts_hits(package, method):
+    """A 4-turn conversation, then four at once: a server reusing prefixes answers what a server without
+    (--no-prefix-cache) answers; /metrics counts the reused tokens, the cold server reuses none."""
+    turns = ["abc abc", "def def def", "abc def", "xyz"]
+    answers, hits = {}, {}
+    for reuse in (True, False):
+        running = Server(package, method=method, prefix_cache=reuse, dispatch="cover")
+        try:
+            one = conversation(running.client, turns)
+            with ThreadPoolExecutor(4) as pool:  # slots taken and retaken concurrently, chunks mixed with decodes
+                rotations = [turns[i:] + turns[:i] for i in range(4)]
+                many = list(pool.map(conversation, [running.client] * 4, rotations))
+            answers[reuse] = (one, many)
+            metrics = running.metrics()
+            hits[reuse] = (metrics["qspec:prefix_cache_hits_total"], metrics["qspec:prefix_cache_queries_total"])
+        finally:
+            running.stop()
+    assert answers[True] == answers[False]
+    assert hits[False] == (0, 0)
+    found, asked = hits[True]
+    assert asked > 0 and found / asked > 0.5, hits  # turns 2-4 of every conversation resend the whole chat
+
+
+def test_engine_prefix_cache_equals_plain(package):
+    """Offline: prompts sharing prefixes, more than the slots (later ones join mid-batch), reuse on or off."""
+    prompts = [SYSTEM + tail for tail in ["a", "ab", "abc", "b", "ba", "SYSTEM", "a b c d e f"]]
+    params = SamplingParams(max_new_tokens=10)
+    cold = [o.token_ids for o in Engine(package, method="pld").generate(prompts, params)]
+    warm_engine = Engine(package, method="pld", prefix_cache=True)
+    warm = [o.token_ids for o in warm_engine.generate(prompts, params)]
+    again = [o.token_ids for o in warm_engine.generate(prompts, params)]
+    assert warm == cold and again == cold
+    assert warm_engine.prefix.hits > 0
