@@ -350,6 +350,9 @@ def generate(
     top_p: Annotated[float, typer.Option(help="1 = off.")] = 1.0,
     seed: Annotated[Optional[int], typer.Option(help="Sampling seed.")] = None,
     stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable; empty ones are ignored).")] = None,
+    ignore_eos: Annotated[
+        bool, typer.Option(help="Generate --max-new-tokens tokens whatever the model says (fixed-length runs).")
+    ] = False,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print token ids, text and metrics per request as JSON.")
     ] = False,
@@ -364,7 +367,13 @@ def generate(
 
         prompts = _generate_prompts(prompt, prompts_file)
         params = SamplingParams.create(
-            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop or []
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            stop=stop or [],
+            ignore_eos=ignore_eos,
         )
         # Each method takes the knobs it knows (qspec.runtime.proposers.make_proposer).
         knobs = dict(

@@ -227,6 +227,22 @@ def test_generate_options_newcomers_reach_for(cli_package, tmp_path):
     assert len(data["requests"][0]["token_ids"]) == 6  # an empty stop string ends nothing (as on the server)
 
 
+def test_ignore_eos_generates_max_new_tokens(cli_package, tmp_path):
+    """With the model's first greedy token made its EOS, generate stops after it; --ignore-eos runs all 6 tokens."""
+    import shutil
+
+    args = ["-p", "abcabc", "--max-new-tokens", "6", "--method", "none", "--json"]
+    first = json.loads(qspec("generate", str(cli_package), *args).stdout)["requests"][0]["token_ids"][0]
+    package = tmp_path / "pkg"
+    shutil.copytree(cli_package, package, symlinks=True)
+    manifest = json.loads((package / "manifest.json").read_text())
+    manifest["model"]["eos_token_ids"] = [first]
+    (package / "manifest.json").write_text(json.dumps(manifest))
+    assert json.loads(qspec("generate", str(package), *args).stdout)["requests"][0]["token_ids"] == [first]
+    fixed = json.loads(qspec("generate", str(package), *args, "--ignore-eos").stdout)["requests"][0]["token_ids"]
+    assert len(fixed) == 6 and fixed[0] == first
+
+
 def test_too_many_new_tokens_is_the_servers_error(cli_package):
     """prompt + --max-new-tokens past ctx_len is a one-line error naming both flags (the server's 400), and
     a too-long prompt's --ctx-len suggestion makes room for --max-new-tokens."""
