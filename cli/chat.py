@@ -20,7 +20,7 @@ from qspec_cli.common import (
     status,
 )
 
-HELP = "/reset forgets the conversation, /exit (or Ctrl-D) leaves; Ctrl-C stops an answer."
+HELP = "/reset forgets the conversation, /history sizes it, /exit (or Ctrl-D) leaves; Ctrl-C stops an answer."
 
 
 def chat(
@@ -95,6 +95,10 @@ def _loop(engine, conversation, params, *, stats: bool) -> None:
             conversation.reset()
             console.print("[dim]conversation reset[/]")
             continue
+        if text == "/history":
+            ids, _ = conversation.prompt_ids(engine.tokenizer, ctx_len=engine.model.ctx_len, max_new_tokens=0)
+            console.print(f"[dim]{len(conversation.turns)} message(s), {len(ids)} tokens in the context[/]")
+            continue
         if text.startswith("/") and " " not in text:
             console.print(f"[yellow]Unknown command {escape(text)}:[/] {escape(HELP)}")
             continue
@@ -103,12 +107,17 @@ def _loop(engine, conversation, params, *, stats: bool) -> None:
             ids, dropped = conversation.prompt_ids(
                 engine.tokenizer, ctx_len=engine.model.ctx_len, max_new_tokens=params.max_new_tokens
             )
+            if dropped:
+                console.print(f"[dim]({dropped} oldest turn(s) dropped to fit the context)[/]")
+            answer = _answer(engine, ids, params, stats=stats)
         except ConfigError as exc:
             console.print(f"[red]Error:[/] {escape(str(exc))}")
             continue
-        if dropped:
-            console.print(f"[dim]({dropped} oldest turn(s) dropped to fit the context)[/]")
-        conversation.add("assistant", _answer(engine, ids, params, stats=stats))
+        except KeyboardInterrupt:  # before the answer began: the turn ends, the conversation goes on
+            sys.stdout.write("\n")
+            console.print("[dim](answer stopped)[/]")
+            answer = ""
+        conversation.add("assistant", answer)
 
 
 def _answer(engine, ids: list[int], params, *, stats: bool) -> str:

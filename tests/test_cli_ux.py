@@ -19,10 +19,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def package(tiny_model, tmp_path_factory):
-    """A tiny llama package (K in [0, 4], ctx_len 256) whose tokenizer has a chat template."""
+    """A tiny llama package (K in [0, 4], ctx_len 1024) whose tokenizer has a chat template."""
     out = tmp_path_factory.mktemp("ux") / "pkg"
     result = qspec(
-        "compile", str(tiny_model("llama")), "-k", "0,4", "--ctx-len", "256", "--prefill-seq-len", "16", "-o", str(out)
+        "compile", str(tiny_model("llama")), "-k", "0,4", "--ctx-len", "1024", "--prefill-seq-len", "16", "-o", str(out)
     )
     assert result.returncode == 0, result.stderr
     return out
@@ -364,3 +364,70 @@ def test_cli_reference_is_current():
 
     page = (ROOT / "docs" / "cli.md").read_text()
     assert page == render(page), "docs/cli.md is stale: run `python -m qspec_cli.reference`"
+
+
+# --- qspec chat, typed at a terminal -----------------------------------------------------------------------
+
+
+def test_chat_on_a_terminal(package):
+    """`qspec chat` under a pseudo-terminal, as a person types: answers stream, the history is kept and sized,
+    Ctrl-C during an answer and at the prompt keeps the conversation, /reset forgets it, /exit leaves (exit 0)."""
+    pexpect = pytest.importorskip("pexpect")
+    import os
+
+    env = dict(os.environ, TERM="dumb", COLUMNS="200")
+    env.pop("QSPEC_DEBUG", None)
+    args = ["-m", "qspec", "chat", str(package), "--method", "none", "--max-new-tokens", "600", "--no-stats"]
+    child = pexpect.spawn(sys.executable, args, env=env, encoding="utf-8", codec_errors="replace", timeout=120)
+    child.expect_exact(">>> ")
+    child.sendline("abcabc")
+    child.expect_exact(">>> ")  # the answer streamed (the random model ends on EOS after a few hundred tokens)
+    child.sendline("/history")
+    child.expect(r"2 message\(s\), (\d+) tokens in the context")
+    first = int(child.match.group(1))
+    child.sendline("xyz")
+    child.expect_exact("xyz\r\n")  # the echo; then the answer's first characters, and Ctrl-C while it streams
+    child.expect(r"\S")
+    child.sendintr()
+    child.expect_exact("(answer stopped)")
+    child.expect_exact(">>> ")
+    child.sendintr()  # Ctrl-C at the prompt: a hint, not an exit
+    child.expect_exact("/exit (or Ctrl-D) leaves")
+    child.sendline("/history")
+    child.expect(r"4 message\(s\), (\d+) tokens in the context")
+    assert int(child.match.group(1)) > first  # the first turn is still in the context
+    child.sendline("/reset")
+    child.expect_exact("conversation reset")
+    child.sendline("/history")
+    child.expect_exact("0 message(s), ")
+    child.sendline("/exit")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
+def test_conversation_drops_the_oldest_turns_to_fit(tmp_path):
+    """The oldest user/assistant pair goes first when the next answer would not fit; a lone message too long
+    is an error that leaves the conversation without it."""
+    from qspec.errors import ConfigError
+    from qspec.runtime.conversation import Conversation
+    from qspec.runtime.tokenizer import Tokenizer
+    from tests.conftest import byte_tokenizer
+
+    byte_tokenizer().save_pretrained(tmp_path)
+    tokenizer = Tokenizer(tmp_path)
+    chat = Conversation(system="s")
+    for turn in ("a" * 20, "b" * 20, "c" * 20):
+        chat.add("user", turn)
+        chat.add("assistant", turn.upper())
+    chat.add("user", "d")
+    whole = len(tokenizer.encode_chat(chat.messages))
+    ids, dropped = chat.prompt_ids(tokenizer, ctx_len=whole + 10, max_new_tokens=10)
+    assert dropped == 0 and len(ids) == whole
+    ids, dropped = chat.prompt_ids(tokenizer, ctx_len=whole, max_new_tokens=10)
+    assert dropped == 1 and chat.turns[0]["content"] == "b" * 20 and chat.messages[0]["role"] == "system"
+    chat.reset()
+    chat.add("user", "x" * 100)
+    with pytest.raises(ConfigError, match="does not fit"):
+        chat.prompt_ids(tokenizer, ctx_len=64, max_new_tokens=10)
+    assert chat.turns == []
