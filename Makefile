@@ -14,7 +14,7 @@ HEAD := heads/smollm2-135m-instruct-eagle
 HEAD_PACKAGE := packages/smollm2-int4-hidden
 HEAD_ARGS ?= --prompts 736 --instructions 2000 --answer-with source --dialogues 0 --draft-vocab 4096 --epochs 3
 SERVE_PACKAGE := packages/smollm2-k0_4-fbs4
-DEMO_PROMPT := examples/code_edit.txt
+CHAT_PROMPT := examples/chat.txt
 export HF_HUB_OFFLINE := 1
 
 .PHONY: install model peers demo head lint test test-fast bench bench-plain bench-full scale serve-package serve serve-load clean
@@ -43,12 +43,10 @@ $(VENV)/.peers: $(VENV)/.installed
 
 demo: install model
 	$(BIN)/qspec compile $(GGUF) --num-speculative-tokens 0,1,2,4 --ctx-len 1024 --draft-head $(HEAD) --output $(PACKAGE)
-	@echo "== prompt lookup, K in [0, 1, 2, 4] =="
-	$(BIN)/qspec generate $(PACKAGE) --chat --prompt "$$(cat $(DEMO_PROMPT))" --max-new-tokens 256 --method pld
-	@echo "== EAGLE head (drafts from the model's own hidden states) =="
-	$(BIN)/qspec generate $(PACKAGE) --chat --prompt "$$(cat $(DEMO_PROMPT))" --max-new-tokens 256 --method eagle
-	@echo "== no speculation =="
-	$(BIN)/qspec generate $(PACKAGE) --chat --prompt "$$(cat $(DEMO_PROMPT))" --max-new-tokens 256 --method none
+	@echo "== qspec generate --method eagle+pld (a chat prompt: the head drafts, the chat template is applied) =="
+	$(BIN)/qspec generate $(PACKAGE) --prompt "$$(cat $(CHAT_PROMPT))" --max-new-tokens 128 --method eagle+pld
+	@echo "== each method where it pays, against none on the same prompt (scripts/demo.py) =="
+	$(BIN)/python scripts/demo.py $(PACKAGE) --max-new-tokens 256 --runs 3
 
 # Remake the shipped head: chit-chat prompts and instructions are answered (the package; the source model,
 # batched), then an EAGLE head trains on the package's hidden states of them (about two hours on 2 cores;

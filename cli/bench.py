@@ -25,7 +25,9 @@ if TYPE_CHECKING:
 
 
 def bench(
-    model: Annotated[str, typer.Argument(help="A .gguf file, a Hugging Face model folder, or a compiled package.")],
+    model: Annotated[
+        str, typer.Argument(metavar="MODEL", help="A .gguf file, a Hugging Face model folder, or a compiled package.")
+    ],
     output: Annotated[
         Path, typer.Option("--output", "-o", help="Folder for report.json, report.md, throughput.png.")
     ] = Path("bench-out"),

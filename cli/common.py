@@ -7,11 +7,12 @@ import os
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional
 
 import typer
 from rich.console import Console
 from rich.markup import escape
+from typer.core import TyperCommand
 
 # stderr, never hard-wrapped (a piped log keeps paths whole); every message text goes through `escape`:
 # rich would take `[serve]` in `pip install 'qspec[serve]'` or `run[fp16]/pkg` for markup.
@@ -36,6 +37,20 @@ CclPrefillOption = Annotated[
 CclDecodeOption = Annotated[
     Optional[str], typer.Option(help="Compute-context-length buckets of the decode shapes, e.g. 256,512,1024.")
 ]
+# The choices help shows and the parser checks (the library's names: tests/test_cli_ux.py keeps them equal).
+# ``user`` (a Python callable's drafts) is the library's alone: a command line cannot pass a callable.
+Backend = Literal["ort", "qaic"]
+WeightFormat = Literal["fp32", "int8", "int4"]
+Method = Literal[
+    "none", "pld", "ngram", "suffix", "draft", "eagle", "medusa", "eagle+pld", "medusa+pld", "eagle3", "eagle3+pld"
+]
+MethodOption = Annotated[
+    Method,
+    typer.Option(
+        help="Speculative method: none, pld (prompt lookup; alias ngram), suffix, draft (--draft-package), or with "
+        "the package's draft head (compile --draft-head) eagle (alias eagle3), medusa, eagle+pld, medusa+pld."
+    ),
+]
 DraftPackageOption = Annotated[Optional[Path], typer.Option(help="The draft model's package (method draft).")]
 DraftThresholdOption = Annotated[
     Optional[float],
@@ -54,6 +69,15 @@ DispatchOption = Annotated[
         "pads every row to K + 1 (the vendor graph)."
     ),
 ]
+
+
+class Command(TyperCommand):
+    """A command whose usage line names its arguments as the help does (``qspec info [OPTIONS] PACKAGE``,
+    not typer's ``{package}``)."""
+
+    def collect_usage_pieces(self, ctx) -> list[str]:
+        pieces = super().collect_usage_pieces(ctx)
+        return [p[1:-1] if p.startswith("{") and p.endswith("}") else p for p in pieces]
 
 
 def debug_enabled() -> bool:

@@ -12,17 +12,21 @@ import typer
 from qspec_cli.common import (
     DEFAULT_CTX_LEN,
     DEFAULT_PREFILL_SEQ_LEN,
+    Backend,
     BatchSizeOption,
     CclDecodeOption,
     CclPrefillOption,
+    Command,
     CtxLenOption,
     DispatchOption,
     DraftPackageOption,
     DraftThresholdOption,
     FullBatchSizeOption,
     KsOption,
+    MethodOption,
     PrefillSeqLenOption,
     SpecFormatOption,
+    WeightFormat,
     cli_errors,
     console,
     escape,
@@ -64,9 +68,11 @@ def _root(
         os.environ["QSPEC_DEBUG"] = "1"
 
 
-@app.command()
+@app.command(cls=Command)
 def compile(
-    model: Annotated[str, typer.Argument(help="Local Hugging Face model folder or .gguf file (or a hub id online).")],
+    model: Annotated[
+        str, typer.Argument(metavar="MODEL", help="Local Hugging Face model folder or .gguf file (or a hub id online).")
+    ],
     num_speculative_tokens: KsOption = "0,4",
     prefill_seq_len: PrefillSeqLenOption = DEFAULT_PREFILL_SEQ_LEN,
     ctx_len: CtxLenOption = DEFAULT_CTX_LEN,
@@ -75,10 +81,10 @@ def compile(
     comp_ctx_lengths_prefill: CclPrefillOption = None,
     comp_ctx_lengths_decode: CclDecodeOption = None,
     spec_format: SpecFormatOption = "flat",
-    backend: Annotated[str, typer.Option(help="ort (ONNX Runtime, CPU) or qaic (Qualcomm qaic-compile).")] = "ort",
+    backend: Annotated[Backend, typer.Option(help="ort (ONNX Runtime, CPU) or qaic (Qualcomm qaic-compile).")] = "ort",
     num_layers: Annotated[Optional[int], typer.Option(help="Keep only the first N layers (a draft model).")] = None,
     weight_format: Annotated[
-        str, typer.Option(help="ort: MatMul weights fp32, int8 or int4 (weight-only, MatMulNBits).")
+        WeightFormat, typer.Option(help="ort: MatMul weights fp32, int8 or int4 (weight-only, MatMulNBits).")
     ] = "fp32",
     hidden_states: Annotated[
         bool, typer.Option(help="The graphs also return the final-norm hidden states (what a draft head reads).")
@@ -97,7 +103,9 @@ def compile(
     aic_enable_depth_first: Annotated[bool, typer.Option(help="qaic: -aic-enable-depth-first.")] = False,
     qaic_option: Annotated[
         Optional[list[str]],
-        typer.Option(help="qaic: one more -FLAG or -FLAG=VALUE for qaic-compile, verbatim (repeatable)."),
+        typer.Option(
+            metavar="FLAG", help="qaic: one more -FLAG or -FLAG=VALUE for qaic-compile, verbatim (repeatable)."
+        ),
     ] = None,
     mdp_config: Annotated[
         Optional[Path], typer.Option(help="qaic: your partition config (-mdp-load-partition-config), copied in.")
@@ -107,7 +115,7 @@ def compile(
         typer.Option(help="A draft head checkpoint folder (EAGLE-1, Medusa or QEfficient turbo) to compile in."),
     ] = None,
     draft_head_weight_format: Annotated[
-        Optional[str],
+        Optional[WeightFormat],
         typer.Option(help="ort: the draft head's MatMul weights, fp32, int8 or int4 (default: int8 beside fp32)."),
     ] = None,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Package directory to write.")] = None,
@@ -180,22 +188,25 @@ def compile(
         )
         for spec in manifest.specializations:
             print(f"  {spec.describe()}")
-        if draft_head:
-            from qspec.head_manifest import read_head_manifest
-
-            head = read_head_manifest(folder)
-            print(f"draft head: {head.method} ({head.layout}), {len(head.specializations)} specializations")
+        scripts = []  # qaic-compile commands written, not run: the target's, then the head's
         if manifest.qaic:
             qaic = manifest.qaic
             if qaic.aic_hw_version is not None:  # None in a package of an older qspec
                 print(f"qaic: -aic-hw-version={qaic.aic_hw_version}, KV cache {qaic.kv_precision}")
             for note in qaic.notes:
                 print(f"qaic: {note}")
-            if not qaic.ran:
-                print(f"qaic-compile not found: the command is in {folder / qaic.script}")
+            scripts += [] if qaic.ran else [folder / qaic.script]
+        if draft_head:
+            from qspec.head_manifest import HEAD_DIR, read_head_manifest
+
+            head = read_head_manifest(folder)
+            print(f"draft head: {head.method} ({head.layout}), {len(head.specializations)} specializations")
+            scripts += [folder / HEAD_DIR / head.qaic.script] if head.qaic and not head.qaic.ran else []
+        if scripts:
+            print(f"qaic-compile not found: run {' then '.join(map(str, scripts))}")
 
 
-@app.command()
+@app.command(cls=Command)
 def specializations(
     num_speculative_tokens: KsOption = "0,4",
     prefill_seq_len: PrefillSeqLenOption = DEFAULT_PREFILL_SEQ_LEN,
@@ -231,9 +242,9 @@ def specializations(
             print(f"wrote {output} ({count} specializations)")
 
 
-@app.command()
+@app.command(cls=Command)
 def info(
-    package: Annotated[Path, typer.Argument(help="A package directory written by `qspec compile`.")],
+    package: Annotated[Path, typer.Argument(metavar="PACKAGE", help="A package directory written by `qspec compile`.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print it as JSON.")] = False,
     memory: Annotated[
         bool, typer.Option("--memory", help="Also load it on ONNX Runtime (a child process) and show resident memory.")
@@ -257,6 +268,9 @@ def info(
             ("KV slots", found.kv_slots),
             ("created", found.created),
             ("size", f"{found.total_bytes / 1e6:.1f} MB on disk in {len(found.files)} files"),
+            ("hidden states", "yes (a draft head can read them)" if found.hidden_states else "no"),
+            ("draft head", _describe_head(found.head)),
+            ("methods", ", ".join(found.methods)),
         ]
         if found.resident is not None:
             held = found.resident
@@ -275,6 +289,21 @@ def info(
         print("files")
         for name, size in found.files.items():
             print(f"  {size / 1e6:10.1f} MB  {name}")
+
+
+def _describe_head(head: dict | None) -> str:
+    """``eagle (eagle layout), draft vocabulary 4096 of 49152, int8`` (and its taps), or ``none``."""
+    if head is None:
+        return "none (compile --draft-head DIR adds one)"
+    text = (
+        f"{head['kind']} ({head['layout']} layout), draft vocabulary {head['draft_vocab_size']} of "
+        f"{head['vocab_size']}, {head['weight_format']}"
+    )
+    if head["kind"] == "medusa":
+        text += f", {head['num_heads']} heads"
+    if head.get("taps"):
+        text += f", taps {','.join(map(str, head['taps']))}"
+    return text
 
 
 def _generate_prompts(prompt: Optional[str], prompts_file: Optional[Path]) -> list:
@@ -320,9 +349,9 @@ def _json_document(outputs: list[RequestOutput], metrics: EngineMetrics | None) 
     return json.dumps(document, indent=2)
 
 
-@app.command()
+@app.command(cls=Command)
 def generate(
-    package: Annotated[Path, typer.Argument(help="A package directory written by `qspec compile`.")],
+    package: Annotated[Path, typer.Argument(metavar="PACKAGE", help="A package directory written by `qspec compile`.")],
     prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="One prompt.")] = None,
     prompts_file: Annotated[
         Optional[Path],
@@ -331,9 +360,7 @@ def generate(
     max_new_tokens: Annotated[
         int, typer.Option(help="Most tokens to generate per prompt (prompt + this must fit the package's ctx_len).")
     ] = 128,
-    method: Annotated[
-        str, typer.Option(help="none, pld (alias ngram), suffix, draft; with a draft head: eagle, medusa, eagle+pld.")
-    ] = "pld",
+    method: MethodOption = "pld",
     prompt_lookup_min: Annotated[int, typer.Option(help="pld: smallest n-gram to match.")] = 1,
     prompt_lookup_max: Annotated[int, typer.Option(help="pld: largest n-gram to match.")] = 3,
     draft_package: DraftPackageOption = None,
@@ -341,30 +368,48 @@ def generate(
     max_batch_size: Annotated[Optional[int], typer.Option(help="Sequences in flight (default: all KV slots).")] = None,
     dispatch: DispatchOption = "auto",
     backend: Annotated[
-        str, typer.Option(help="ort (ONNX Runtime, CPU) or qaic (the package's QPC on Cloud AI 100).")
+        Backend, typer.Option(help="ort (ONNX Runtime, CPU) or qaic (the package's QPC on Cloud AI 100).")
     ] = "ort",
     num_threads: Annotated[Optional[int], typer.Option(help="ONNX Runtime threads (default: all cores).")] = None,
-    chat: Annotated[bool, typer.Option(help="Apply the tokenizer's chat template (messages lines always).")] = False,
+    chat: Annotated[
+        Optional[bool],
+        typer.Option(
+            "--chat/--no-chat",
+            help="Text prompts through the tokenizer's chat template (default: when it has one; messages lines "
+            "always); --no-chat sends them raw.",
+            show_default=False,
+        ),
+    ] = None,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
     top_k: Annotated[int, typer.Option(help="0 = off.")] = 0,
     top_p: Annotated[float, typer.Option(help="1 = off.")] = 1.0,
     seed: Annotated[Optional[int], typer.Option(help="Sampling seed.")] = None,
-    stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable; empty ones are ignored).")] = None,
+    stop: Annotated[
+        Optional[list[str]], typer.Option(metavar="TEXT", help="Stop string (repeatable; empty ones are ignored).")
+    ] = None,
     ignore_eos: Annotated[
         bool, typer.Option(help="Generate --max-new-tokens tokens whatever the model says (fixed-length runs).")
     ] = False,
     as_json: Annotated[
-        bool, typer.Option("--json", help="Print token ids, text and metrics per request as JSON.")
+        bool, typer.Option("--json", help="Print token ids, text and metrics per request as one JSON document.")
+    ] = False,
+    jsonl: Annotated[
+        bool,
+        typer.Option("--jsonl", help="Print one JSON line per request as it finishes (token ids, text, metrics)."),
     ] = False,
 ) -> None:
     """Generate text from a compiled package with speculative decoding.
 
-    With several prompts each result prints as it finishes; Ctrl-C keeps the finished ones (--json too).
+    With several prompts each result prints as it finishes; Ctrl-C keeps the finished ones (--json and
+    --jsonl too).
     """
     with cli_errors():
+        from qspec.errors import ConfigError
         from qspec.runtime import Engine, SamplingParams
         from qspec.runtime.request import check_budget
 
+        if as_json and jsonl:
+            raise ConfigError("give one of --json (one document at the end) or --jsonl (a line per request)")
         prompts = _generate_prompts(prompt, prompts_file)
         params = SamplingParams.create(
             max_new_tokens=max_new_tokens,
@@ -392,18 +437,30 @@ def generate(
                 num_threads=num_threads,
                 **knobs,
             )
-        encoded = [engine.tokenizer.encode_prompt(p, chat=chat) for p in prompts]
+        use_chat = chat if chat is not None else engine.tokenizer.chat_template is not None
+        encoded = [engine.tokenizer.encode_prompt(p, chat=use_chat) for p in prompts]
         for i, ids in enumerate(encoded):
             check_budget(
                 "the prompt" if prompt is not None else f"prompt {i}", ids, max_new_tokens, engine.model.ctx_len
             )
-        _run_generate(engine, encoded, params, as_json=as_json)
+        _run_generate(engine, encoded, params, as_json=as_json, jsonl=jsonl, chat=use_chat)
 
 
-def _run_generate(engine, encoded: list[list[int]], params, *, as_json: bool) -> None:
-    """Generate, printing text as it comes (one prompt) or each result as it finishes (several)."""
+def ended_at_once(output: RequestOutput, *, chat: bool) -> str | None:
+    """A warning when ``output`` ended on end of sequence before any text, else None: an instruct model
+    given a raw prompt (or a base model given a chat one) often ends at once, and an empty answer alone
+    says nothing."""
+    if output.finish_reason != "stop" or len(output.token_ids) > 1 or output.text:
+        return None
+    fix = "the prompt went through the chat template: try --no-chat" if chat else "try --chat"
+    return f"request {output.index} ended at once on end of sequence ({fix})"
+
+
+def _run_generate(engine, encoded: list[list[int]], params, *, as_json: bool, jsonl: bool = False, chat=True) -> None:
+    """Generate, printing text as it comes (one prompt) or each result as it finishes (several; --jsonl: a
+    JSON line each, so Ctrl-C loses none)."""
     finished: list[RequestOutput] = []
-    stream = not as_json and len(encoded) == 1
+    stream = not as_json and not jsonl and len(encoded) == 1
 
     def on_text(index: int, text: str) -> None:
         sys.stdout.write(text)
@@ -411,8 +468,13 @@ def _run_generate(engine, encoded: list[list[int]], params, *, as_json: bool) ->
 
     def on_output(output: RequestOutput) -> None:
         finished.append(output)
-        if not as_json and not stream:
+        if jsonl:
+            print(json.dumps(output.to_dict()), flush=True)
+        elif not as_json and not stream:
             print(f"--- {output.index}\n{output.text}", flush=True)
+        warning = ended_at_once(output, chat=chat)
+        if warning:
+            console.print(f"[yellow]Warning:[/] {escape(warning)}")
 
     try:
         engine.generate(encoded, params, on_text=on_text if stream else None, on_output=on_output)
@@ -435,24 +497,55 @@ def _run_generate(engine, encoded: list[list[int]], params, *, as_json: bool) ->
 
 def _register_optional() -> None:
     """Commands that live in their own modules."""
+    from qspec_cli.chat import chat
     from qspec_cli.heads import train_head
     from qspec_cli.serve import serve, serve_load
 
-    app.command("train-head")(train_head)
-    app.command()(serve)
-    app.command("serve-load")(serve_load)
+    app.command(cls=Command)(chat)
+    app.command("train-head", cls=Command)(train_head)
+    app.command(cls=Command)(serve)
+    app.command("serve-load", cls=Command)(serve_load)
     try:
         from qspec_cli.bench import bench
     except ImportError:  # pragma: no cover - bench is part of the package; guard for partial installs
         return
-    app.command()(bench)
+    app.command(cls=Command)(bench)
 
 
 _register_optional()
 
 
-def main() -> None:
-    app()
+def _debug_first(args: list[str]) -> list[str]:
+    """``--debug`` anywhere before a ``--`` goes first, where the root option reads it (errors say "rerun
+    with --debug", and a user adds it at the end): ``generate P --debug`` -> ``--debug generate P``."""
+    end = args.index("--") if "--" in args else len(args)
+    if "--debug" not in args[:end]:
+        return args
+    return ["--debug"] + [a for i, a in enumerate(args) if not (a == "--debug" and i < end)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the command line; a usage error (unknown flag, bad choice, missing argument) is one line and exit 1,
+    as every other error (docs/cli.md)."""
+    from typer.main import get_command
+
+    try:  # typer >= 0.22 carries its own click
+        from typer._click.exceptions import NoArgsIsHelpError, UsageError
+    except ImportError:  # pragma: no cover - older typer on click
+        from click.exceptions import NoArgsIsHelpError, UsageError
+
+    args = _debug_first(list(sys.argv[1:] if argv is None else argv))
+    try:
+        code = get_command(app).main(args, prog_name="qspec", standalone_mode=False)
+    except NoArgsIsHelpError as exc:
+        exc.show()
+        code = exc.exit_code
+    except UsageError as exc:
+        where = exc.ctx.command_path if exc.ctx is not None else "qspec"
+        message = " ".join(exc.format_message().split())
+        console.print(f"[red]Error:[/] {escape(message)} (`{escape(where)} -h` lists the options)")
+        code = 1
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

@@ -6,15 +6,15 @@ from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
-from qspec_cli.common import DispatchOption, DraftPackageOption, DraftThresholdOption, cli_errors, console, escape
-
-MethodOption = Annotated[
-    str,
-    typer.Option(
-        help="Speculative method: none, pld (alias ngram), suffix, draft, or with a package's draft head "
-        "(compile --draft-head) eagle (alias eagle3), medusa, eagle+pld, medusa+pld."
-    ),
-]
+from qspec_cli.common import (
+    DispatchOption,
+    DraftPackageOption,
+    DraftThresholdOption,
+    MethodOption,
+    cli_errors,
+    console,
+    escape,
+)
 
 
 def _require_serve_extra() -> None:
@@ -57,7 +57,7 @@ def method_options(
 
 
 def serve(
-    package: Annotated[Path, typer.Argument(help="A package directory written by `qspec compile`.")],
+    package: Annotated[Path, typer.Argument(metavar="PACKAGE", help="A package directory written by `qspec compile`.")],
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
     method: MethodOption = "pld",
@@ -136,7 +136,10 @@ def serve(
 
 def serve_load(
     package: Annotated[
-        Path, typer.Argument(help="A package with several KV slots (`qspec compile ... --full-batch-size 4`).")
+        Path,
+        typer.Argument(
+            metavar="PACKAGE", help="A package with several KV slots (`qspec compile ... --full-batch-size 4`)."
+        ),
     ],
     methods: Annotated[str, typer.Option(help="Methods to serve, one server each, e.g. pld,none.")] = "pld,none",
     requests: Annotated[int, typer.Option(help="Requests per method (MT-bench first turns).")] = 64,

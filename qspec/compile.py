@@ -439,7 +439,7 @@ def compile_package(
     Raises a QSpecError subclass (one line, with the fix) for bad options, unsupported models and
     backend failures; nothing is left at ``output`` unless the package is complete.
     """
-    from qspec.export.loader import resolve_source, source_digest
+    from qspec.export.loader import check_family, resolve_source, source_digest
 
     say = progress or (lambda message: None)
     warn = warn or (lambda message: None)
@@ -448,6 +448,7 @@ def compile_package(
     config = qaic_ccl_rule(options)  # a bad bucket list fails before any work
 
     source = resolve_source(model)
+    check_family(source)
     say("hashing model files")
     digest = source_digest(source)
     key = _inputs_key(digest, options)

@@ -341,6 +341,42 @@ class PackageInfo(BaseModel):
     total_bytes: int  # bytes on disk: every file of the package
     created: str
     resident: ResidentMemory | None = None  # with --memory
+    hidden_states: bool = False  # the graphs return the final-norm hidden states (what a head reads)
+    head: dict[str, Any] | None = None  # the draft head: kind, layout, draft vocabulary, format, taps
+    methods: list[str] = []  # the --method values this package runs (draft also needs --draft-package)
+
+
+def _head_summary(folder: Path) -> dict[str, Any] | None:
+    """The fields of ``head/head.json`` a user asks about, or None without a head."""
+    from qspec.head_manifest import has_head, read_head_manifest
+
+    if not has_head(folder):
+        return None
+    head = read_head_manifest(folder)
+    summary = {
+        "kind": head.method,
+        "layout": head.layout,
+        "draft_vocab_size": head.draft_vocab_size,
+        "vocab_size": head.vocab_size,
+        "weight_format": head.weight_format,
+        "num_heads": head.num_heads,
+        "num_layers": head.num_layers,
+    }
+    taps = getattr(head, "taps", None)  # the target layers a head reads (EAGLE-3), where the manifest has them
+    return summary | ({"taps": list(taps)} if taps else {})
+
+
+def accepted_methods(head_kind: str | None) -> list[str]:
+    """The speculative methods a package runs: every package the model-free ones, a package with a head
+    that head's method alone and with prompt lookup (``user`` needs Python, so it is left out).
+
+    >>> accepted_methods("eagle")
+    ['none', 'pld', 'suffix', 'draft', 'eagle', 'eagle+pld']
+    """
+    from qspec.runtime.proposers import HEAD_METHODS, PROPOSER_METHODS
+
+    plain = [m for m in PROPOSER_METHODS if m not in HEAD_METHODS and m != "user"]
+    return plain + [m for m in HEAD_METHODS if head_kind is not None and m.split("+")[0] == head_kind]
 
 
 def package_info(package: str | os.PathLike[str], *, memory: bool = False) -> PackageInfo:
@@ -350,6 +386,7 @@ def package_info(package: str | os.PathLike[str], *, memory: bool = False) -> Pa
     manifest = read_manifest(folder)
     config = manifest.config
     files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
+    head = _head_summary(folder)
     return PackageInfo(
         package=str(folder),
         model=manifest.model.source,
@@ -367,6 +404,9 @@ def package_info(package: str | os.PathLike[str], *, memory: bool = False) -> Pa
         total_bytes=sum(files.values()),
         created=manifest.created,
         resident=_resident(folder) if memory else None,
+        hidden_states=manifest.model.hidden_states,
+        head=head,
+        methods=accepted_methods(head["kind"] if head else None),
     )
 
 

@@ -35,6 +35,9 @@ def resolve_source(model: str | os.PathLike) -> ModelSource:
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelLoadError(f"GGUF file '{model}' does not exist")
+        with open(path, "rb") as handle:  # a fake or truncated file fails here, named, before any hashing
+            if handle.read(4) != b"GGUF":
+                raise ModelLoadError(f"'{model}' is not a GGUF file (it does not start with the bytes GGUF)")
         return ModelSource(str(model), path.resolve().parent, path.name)
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -43,6 +46,24 @@ def resolve_source(model: str | os.PathLike) -> ModelSource:
     if path.exists() or str(model).startswith((".", "/", "~")) or str(model).count("/") > 1:
         raise ModelLoadError(f"'{model}' is neither a model folder, a .gguf file nor a hub id")
     return ModelSource(str(model), None)
+
+
+def check_family(source: ModelSource) -> None:
+    """An unsupported family (a BERT or GPT-2 folder) fails from its ``config.json`` alone, before the
+    seconds of hashing and loading its weights; a GGUF's or a hub id's family is checked when it loads."""
+    import json
+    from types import SimpleNamespace
+
+    from qspec.export.wrapper import adapter_for
+
+    if not source.is_local or source.gguf_file:
+        return
+    try:
+        values = json.loads((source.folder / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read {source.folder / 'config.json'}: {_first_line(exc)}") from None
+    if isinstance(values, dict):  # the family only: RoPE and the rest are read from the parsed config
+        adapter_for(SimpleNamespace(model_type=values.get("model_type"), architectures=values.get("architectures")))
 
 
 def source_digest(source: ModelSource) -> str:
@@ -91,7 +112,8 @@ def load_model(source: ModelSource):
                     f"could not load '{source.ref}' from the hub (offline or unknown id?); "
                     f"give a local model folder or a .gguf file instead ({_first_line(exc)})"
                 ) from exc
-            raise ModelLoadError(f"could not load model from '{where}': {_first_line(exc)}") from exc
+            named = source.folder / source.gguf_file if source.gguf_file else where  # the file the user gave
+            raise ModelLoadError(f"could not load model from '{named}': {_first_line(exc)}") from exc
     _drop_quantizer(model)
     return model.eval(), tokenizer
 

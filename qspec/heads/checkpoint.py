@@ -96,3 +96,23 @@ def read_weights(folder: Path, names: tuple[str, ...]) -> dict[str, torch.Tensor
             return load_file(str(path))
         return torch.load(path, map_location="cpu", weights_only=True)
     raise ModelLoadError(f"{folder} has none of {', '.join(names)}")
+
+
+# Keys of transformers' base config that a head's reader needs (the rest of the base is boilerplate).
+_BASE_KEPT = frozenset(
+    {"architectures", "model_type", "bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings"}
+)
+
+
+def clean_config(values: dict) -> dict:
+    """A head's ``config.json`` without what would tie it to a machine or a library version: private keys
+    (``_name_or_path`` holds the path the target was loaded from), ``transformers_version``, ``dtype`` (the
+    file's ``torch_dtype`` says it) and the base config's generic fields (``id2label``, ``return_dict``, ...).
+
+    >>> clean_config({"_name_or_path": "/home/me/model", "hidden_size": 64, "return_dict": True, "dtype": "float32"})
+    {'hidden_size': 64}
+    """
+    from transformers import PretrainedConfig
+
+    boilerplate = (set(PretrainedConfig().to_dict()) - _BASE_KEPT) | {"transformers_version", "dtype"}
+    return {k: v for k, v in values.items() if not k.startswith("_") and k not in boilerplate}

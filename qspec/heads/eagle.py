@@ -27,6 +27,7 @@ from qspec.common import with_umask
 from qspec.errors import ConfigError, ModelLoadError
 from qspec.heads.checkpoint import (
     check_draft_ids,
+    clean_config,
     d2t_from_ids,
     draft_rows,
     frozen_linear,
@@ -166,8 +167,7 @@ def save_eagle(head: EagleHead, out_dir: str | Path, *, config=None, dtype: torc
         tensors["t2d"] = t2d_from_ids(head.draft_ids, vocab)
     save_file(tensors, str(out / EAGLE_WEIGHTS[0]), metadata={"format": "pt"})
     with_umask(out / EAGLE_WEIGHTS[0], 0o666)  # safetensors writes 0600
-    values = (config or head.config).to_dict()
-    values.pop("_attn_implementation", None)
+    values = clean_config((config or head.config).to_dict())  # no machine path, no transformers boilerplate
     values.update(
         num_hidden_layers=1,
         model_type="llama",

@@ -39,6 +39,7 @@ from qspec.common import with_umask
 from qspec.errors import ConfigError, ModelLoadError
 from qspec.heads.checkpoint import (
     check_draft_ids,
+    clean_config,
     d2t_from_ids,
     draft_rows,
     frozen_linear,
@@ -179,8 +180,7 @@ def save_eagle3(head: Eagle3Head, out_dir: str | Path, *, dtype: torch.dtype = t
     tensors["t2d"] = t2d_from_ids(ids, vocab)
     save_file(tensors, str(out / EAGLE3_WEIGHTS[0]), metadata={"format": "pt"})
     with_umask(out / EAGLE3_WEIGHTS[0], 0o666)  # safetensors writes 0600
-    values = head.config.to_dict()
-    values.pop("_attn_implementation", None)
+    values = clean_config(head.config.to_dict())  # no machine path, no transformers boilerplate
     values.update(
         architectures=[ARCHITECTURES[0]],
         model_type="llama",
