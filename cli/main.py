@@ -112,7 +112,9 @@ def compile(
     ] = None,
     draft_head: Annotated[
         Optional[Path],
-        typer.Option(help="A draft head checkpoint folder (EAGLE-1, Medusa or QEfficient turbo) to compile in."),
+        typer.Option(
+            help="A draft head checkpoint folder (EAGLE-1, EAGLE-3, Medusa or QEfficient turbo) to compile in."
+        ),
     ] = None,
     draft_head_weight_format: Annotated[
         Optional[WeightFormat],

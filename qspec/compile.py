@@ -187,6 +187,26 @@ def _file_digest(path: str | None) -> str | None:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
+def _head_taps(head_dir: str | None) -> tuple[int, ...] | str:
+    """The taps of the target's residual stream the draft head reads (EAGLE-3), ``()`` for none."""
+    if head_dir is None:
+        return ()
+    from qspec.heads.kinds import detect_kind, head_config
+
+    return detect_kind(head_dir).tap_request(Path(head_dir), head_config(head_dir))
+
+
+def _fold_taps(folder: Path, exported: _Exported, graph: _Graph | None, options: CompileOptions) -> None:
+    """The head's ``fc`` folded into the package's graphs: their ``tap.{i}`` outputs become ``hidden_states``."""
+    if not exported.meta.options.taps:
+        return
+    from qspec.heads.package import fold_head_taps
+
+    graphs = [folder / ONNX_FILE] if options.ships_vendor_graph else []
+    graphs += [folder / graph.graph.file] if graph is not None else []
+    fold_head_taps(options.draft_head, exported.folder / ONNX_FILE, graphs, exported.entry.num_layers)
+
+
 def _head_digest(head_dir: str | None) -> str | None:
     if head_dir is None:
         return None
@@ -241,12 +261,14 @@ def _export(
     from qspec.export import ExportOptions, export_model
     from qspec.export.loader import resolve_source
 
+    taps = _head_taps(options.draft_head)
     export_options = ExportOptions(
         continuous_batching=config.continuous_batching,
         speculative=config.speculative,
         comp_ctx_lengths=config.comp_ctx_lengths,
         num_layers=options.num_layers,
-        hidden_states=options.exports_hidden_states,
+        hidden_states=options.exports_hidden_states and not taps,  # taps: the head's fc makes them (_fold_taps)
+        taps=taps,
     )
     if options.backend == "ort":  # while the export runs in its own process: the next step's imports (~3 s)
         threading.Thread(target=_import_runtime_graph_tools, daemon=True).start()
@@ -464,6 +486,7 @@ def compile_package(
     def build(folder: Path) -> None:
         say("writing the package")
         _write_files(folder, exported, graph, options)
+        _fold_taps(folder, exported, graph, options)
         checks, qaic = _check_or_prepare_vendor(folder, exported, graph, options, progress=say)
         if options.draft_head is not None:
             _add_draft_head(folder, options, config, exported, progress=say)

@@ -226,8 +226,8 @@ def fuse_attention(
         ort_tokens.pack_live_tokens(graph, inputs, shared)
     if trim_rows:
         ort_tokens.trim_rows(graph, inputs, shared)
-    if (pack_tokens or trim_rows) and contract.HIDDEN_STATES in outputs:
-        ort_tokens.restore_hidden_states(graph, inputs, shared, packed=pack_tokens)
+    for name in _feature_outputs(outputs) if (pack_tokens or trim_rows) else ():
+        ort_tokens.restore_hidden_states(graph, inputs, shared, packed=pack_tokens, name=name)
     graph.sort()
     model.opset_imports[MS_DOMAIN] = 1
     from onnxscript import optimizer
@@ -387,7 +387,7 @@ def _shared_inputs(
     op, constant = builder(graph, nodes, "attn")
     cos, sin = rope_tables(attention, rope_positions)
     if trimmed or planned:
-        hidden = contract.HIDDEN_STATES in {v.name for v in graph.outputs}
+        hidden = bool(_feature_outputs([v.name for v in graph.outputs]))
         plan = ort_plan.add_inputs(graph, hidden_states=hidden, query_pads=not lone_query, cut=trimmed)
         return {
             "plan": plan,
@@ -474,3 +474,10 @@ def _shared_inputs(
     }
     graph.extend(nodes)
     return shared
+
+
+def _feature_outputs(names) -> list[str]:
+    """The per-token outputs a draft head reads: ``hidden_states`` and the taps (``tap.{i}``, qspec.export.taps)."""
+    from qspec.export.graph import TAP_PREFIX
+
+    return [name for name in names if name == contract.HIDDEN_STATES or name.startswith(TAP_PREFIX)]

@@ -91,6 +91,7 @@ def fuse(model) -> dict[str, int]:
     from onnxscript.rewriter.ort_fusions import rms_normalization, skip_normalization
 
     contract_shapes = {value.name: value.shape for value in (*model.graph.inputs, *model.graph.outputs)}
+    _output_taps_through_identity(model)
     common_passes.ShapeInferencePass()(model)  # the fusion rules check ranks and shapes
     counts = {
         "rms_normalization": rms_normalization.fuse_rms_normalization(model),
@@ -100,6 +101,32 @@ def fuse(model) -> dict[str, int]:
     for value in (*model.graph.inputs, *model.graph.outputs):  # shape inference may rename symbolic dims
         value.shape = contract_shapes[value.name]
     return counts
+
+
+def _output_taps_through_identity(model) -> int:
+    """Each ``tap.{i}`` output (:mod:`qspec.export.taps`) through an ``Identity`` of the residual it taps, and the
+    residual's shape left to inference: the skip-norm rule binds its inputs' dims, and a residual carrying the
+    contract's dim names would stay unfused and round differently from the package without taps (whose logits
+    must stay bitwise the same). Returns how many."""
+    import onnx_ir as ir
+
+    from qspec.export.graph import TAP_PREFIX
+
+    graph = model.graph
+    count = 0
+    for index, value in enumerate(list(graph.outputs)):
+        if not (value.name or "").startswith(TAP_PREFIX):
+            continue
+        node = ir.node("Identity", [value], name=f"{value.name}.identity")
+        graph.append(node)
+        out = node.outputs[0]
+        out.shape, out.type = value.shape, value.type
+        name, value.name = value.name, f"{value.name}.residual"
+        value.shape = None  # inferred as in the graph without taps (the rules bind the dims of Add's inputs)
+        out.name = name
+        graph.outputs[index] = out
+        count += 1
+    return count
 
 
 NORMALIZATIONS = ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization")

@@ -149,15 +149,16 @@ def trim_rows(graph, inputs, shared: dict) -> None:
     graph.extend(nodes)
 
 
-def restore_hidden_states(graph, inputs, shared: dict, *, packed: bool) -> None:
-    """The ``hidden_states`` output back in the contract's ``[batch, seq_len, hidden]``: its norm ran on
-    the live tokens only (``[1, live, hidden]`` packed, ``[rows, seq, hidden]`` trimmed); the other
-    entries are zeros (padding has no hidden state a caller reads)."""
+def restore_hidden_states(graph, inputs, shared: dict, *, packed: bool, name: str = contract.HIDDEN_STATES) -> None:
+    """The ``hidden_states`` output (or another per-token output ``name``, a tap) back in the contract's
+    ``[batch, seq_len, hidden]``: its norm ran on the live tokens only (``[1, live, hidden]`` packed,
+    ``[rows, seq, hidden]`` trimmed); the other entries are zeros (padding has no hidden state a caller reads)."""
     import onnx_ir as ir
 
-    index, hidden = next((i, v) for i, v in enumerate(graph.outputs) if v.name == contract.HIDDEN_STATES)
+    index, hidden = next((i, v) for i, v in enumerate(graph.outputs) if v.name == name)
     nodes = []
-    op, constant = builder(graph, nodes, "hidden")
+    prefix = "hidden" if name == contract.HIDDEN_STATES else name
+    op, constant = builder(graph, nodes, prefix)
     if packed:
         axis0 = constant("axis0", np.array([0], np.int64))
         call_shape = op("Shape", inputs[contract.POSITION_IDS])  # [batch, seq]
@@ -170,7 +171,7 @@ def restore_hidden_states(graph, inputs, shared: dict, *, packed: bool) -> None:
     else:  # [rows, seq, hidden] padded at the end of axis 1 (the host's call plan has the pads)
         out = op("Pad", hidden, shared["plan"][ort_plan.HIDDEN_PADS])
     out.shape, out.type = ir.Shape(list(hidden.shape)), hidden.type  # a copy: inference may reshape `hidden`
-    hidden.name = "hidden.live_hidden_states"
-    out.name = contract.HIDDEN_STATES
+    hidden.name = f"{prefix}.live_{name}"
+    out.name = name
     graph.outputs[index] = out
     graph.extend(nodes)

@@ -8,12 +8,16 @@ this module; it imports neither, and no torch.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from qspec import contract
+from qspec.errors import ConfigError
 
 OPSET = 18
+TAP_PREFIX = "tap."  # graph output `tap.{i}`: the residual stream entering decoder layer i
+VLLM_TAPS = "vllm"  # vLLM's EAGLE-3 default taps: (2, L // 2, L - 3)
 
 
 class ExportOptions(BaseModel):
@@ -26,6 +30,25 @@ class ExportOptions(BaseModel):
     comp_ctx_lengths: bool = False  # `comp_ctx_lengths` input: its length bounds the KV slots attention reads
     num_layers: int | None = Field(default=None, ge=1)  # keep only the first N decoder layers
     hidden_states: bool = False  # `hidden_states` output: the final-norm state of every position (draft heads)
+    # `tap.{i}` outputs [batch, seq, hidden]: the residual stream entering layer i (Hugging Face's
+    # output_hidden_states[i], 0 the embeddings), as vLLM's llama.py collects EAGLE-3's aux hidden states
+    taps: tuple[int, ...] | Literal["vllm"] = ()
+
+
+def tap_name(layer: int) -> str:
+    return f"{TAP_PREFIX}{layer}"
+
+
+def tap_layers(taps: tuple[int, ...] | str, num_layers: int) -> tuple[int, ...]:
+    """The layer ids ``taps`` names, ascending and distinct (the order vLLM collects them in).
+
+    Example: ``tap_layers("vllm", 30) == (2, 15, 27)``; ``tap_layers((5, 2), 30) == (2, 5)``.
+    """
+    ids = (2, num_layers // 2, num_layers - 3) if taps == VLLM_TAPS else tuple(taps)
+    ids = tuple(sorted(set(ids)))
+    if ids and (ids[0] < 0 or ids[-1] >= num_layers):
+        raise ConfigError(f"taps {list(ids)} name layers outside 0..{num_layers - 1}; give ids of the target's layers")
+    return ids
 
 
 def expected_dims(num_layers: int, options: ExportOptions, vocab_size: int) -> dict[str, list]:
@@ -45,6 +68,7 @@ def expected_dims(num_layers: int, options: ExportOptions, vocab_size: int) -> d
     dims[contract.LOGITS] = [contract.BATCH_SIZE, keep, vocab_size]
     if options.hidden_states:
         dims[contract.HIDDEN_STATES] = [contract.BATCH_SIZE, contract.SEQ_LEN, None]
+    dims |= {tap_name(i): [contract.BATCH_SIZE, contract.SEQ_LEN, None] for i in tap_layers(options.taps, num_layers)}
     return dims | {contract.retained(name): kv for name in contract.kv_names(num_layers)}
 
 

@@ -11,6 +11,7 @@ layer's own weights, and lets onnx-ir's ``InlinePass`` inline the calls::
     hidden ─► layer(sig of 0)(…, past_key.0, past_value.0, weights of layer 0) ─► hidden, *_RetainedState
       …     ─► layer(sig of N-1)(…)                                            ─► hidden, *_RetainedState
     hidden, valid, num_logits_to_keep ─► epilogue(norm, lm_head) ─► logits
+    (with ``taps``: the hidden entering each tapped layer is also a graph output, ``tap.{i}``)
 
 The KV write and read of every layer stay calls of QEfficient's ``CtxScatter`` / ``CtxGather`` functions
 through all of this (the tracer emits a node per call, the inlining passes know no body of theirs);
@@ -34,7 +35,7 @@ import torch
 from torch import nn
 
 from qspec import contract
-from qspec.export.graph import OPSET, expected_dims
+from qspec.export.graph import OPSET, expected_dims, tap_layers, tap_name
 
 DOMAIN = "qspec.export"
 Progress = Callable[[str], None]
@@ -349,7 +350,10 @@ def compose(lm: nn.Module, pieces: dict[str, Piece], options, streamed=None):
     nodes.append(pro)
     hidden, *shared = pro.outputs
     reps = {lm.layer_signature(r): r for r in representative_layers(lm)}
+    tap_ids, taps = tap_layers(options.taps, lm.num_layers), []
     for i in range(lm.num_layers):
+        if i in tap_ids:  # the residual stream entering layer i
+            taps.append((i, hidden))
         rep = reps[lm.layer_signature(i)]
         piece = pieces[layer_function_name(lm, rep)]
         past = [
@@ -393,6 +397,11 @@ def compose(lm: nn.Module, pieces: dict[str, Piece], options, streamed=None):
     for value, traced in zip(epi.outputs, epilogue.function.graph.outputs):
         value.name, value.type = traced.name.split("/")[-1], traced.type
         value.shape = ir.Shape([w if w is not None else traced.shape[i] for i, w in enumerate(want[value.name])])
+        outputs.append(value)
+    hidden_type = first_layer.function.graph.outputs[0].type
+    for i, value in taps:
+        value.name, value.type = tap_name(i), hidden_type
+        value.shape = ir.Shape([*want[value.name][:2], lm.config.hidden_size])
         outputs.append(value)
 
     graph = ir.Graph(

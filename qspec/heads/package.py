@@ -280,14 +280,14 @@ def check_head_sessions(folder: Path, manifest: HeadManifest) -> None:
             raise CompileError(f"the draft head returns logits {logits.shape} for {spec.describe()}, expected {want}")
 
 
-def fold_head_taps(head_dir: str | os.PathLike[str], package: Path, graphs: list[Path], num_layers: int) -> None:
-    """Fold the head's ``fc`` into the target graphs ``graphs`` of ``package``, exported with the head's taps
-    (:func:`qspec.export.taps.fold_taps`); a head that reads no taps leaves them as they are."""
+def fold_head_taps(head_dir: str | os.PathLike[str], target_onnx: Path, graphs: list[Path], num_layers: int) -> None:
+    """Fold the head's ``fc`` into the target graphs ``graphs``, exported with the head's taps
+    (:func:`qspec.export.taps.fold_taps`; ``target_onnx``: the vendor graph holding the target's tables); a head
+    that reads no taps leaves them as they are."""
     from qspec.export.taps import fold_taps
     from qspec.heads.kinds import load_head
-    from qspec.package import ONNX_FILE
 
-    head, kind = load_head(head_dir, target_tables(package / ONNX_FILE))
+    head, kind = load_head(head_dir, target_tables(target_onnx))
     taps = kind.taps(head, num_layers)
     if taps is None:
         return
