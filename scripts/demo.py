@@ -13,7 +13,7 @@ import argparse
 import statistics
 from pathlib import Path
 
-from qspec.heads.manifest import has_head
+from qspec.head_manifest import has_head
 from qspec.runtime import Engine, SamplingParams
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
