@@ -431,3 +431,13 @@ def test_conversation_drops_the_oldest_turns_to_fit(tmp_path):
     with pytest.raises(ConfigError, match="does not fit"):
         chat.prompt_ids(tokenizer, ctx_len=64, max_new_tokens=10)
     assert chat.turns == []
+
+
+def test_serving_page_lists_every_method():
+    """docs/serving.md names every method `qspec serve --method` takes."""
+    from qspec_cli.common import Method
+
+    text = (ROOT / "docs" / "serving.md").read_text()
+    assert all(f"`{m}`" in text for m in typing.get_args(Method)), [
+        m for m in typing.get_args(Method) if f"`{m}`" not in text
+    ]
