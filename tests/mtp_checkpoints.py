@@ -12,11 +12,18 @@ import torch
 from tests.conftest import byte_tokenizer, tiny_config
 
 
-def save_mtp_model(folder: Path, layout: str, *, num_mtp: int, family: str = "llama", seed: int = 0) -> Path:
+def save_mtp_model(
+    folder: Path, layout: str, *, num_mtp: int, family: str = "llama", seed: int = 0, predictive: bool = False
+) -> Path:
     """A tiny random ``family`` target (2 layers) plus ``num_mtp`` MTP layers, saved as a model folder.
 
     ``layout`` ``deepseek``: ``model.layers.{2+i}.{enorm, hnorm, eh_proj, shared_head.*, embed_tokens}`` + a block,
     config ``num_nextn_predict_layers``. ``mimo``: a Qwen2 with ``model.mtp_layers.{i}.*``, ``model_type: mimo``.
+
+    ``predictive``: the target's layers add nothing to the residual stream (zero ``o_proj``/``down_proj``), so
+    its next greedy token is a function of the current one, ``g(x)``; the even MTP layers compute ``g`` of their
+    token exactly (projection onto the embedding, a block that adds nothing, the target's final norm and LM head),
+    so their drafts are accepted; the odd ones stay random, so theirs mostly are not.
     """
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
@@ -54,6 +61,12 @@ def save_mtp_model(folder: Path, layout: str, *, num_mtp: int, family: str = "ll
                 tensors[f"{prefix}{name}.weight"] = value.contiguous()
             if layout == "deepseek":
                 tensors[f"{prefix}embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+            if predictive and i % 2 == 0:
+                _predict_next(tensors, prefix, layout, hidden)
+        if predictive:
+            for name in tensors:
+                if name.startswith("model.layers.") and name.endswith(("o_proj.weight", "down_proj.weight")):
+                    tensors[name] = torch.zeros_like(tensors[name])
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     values = config.to_dict() | {"num_nextn_predict_layers": num_mtp}
@@ -62,6 +75,26 @@ def save_mtp_model(folder: Path, layout: str, *, num_mtp: int, family: str = "ll
     (folder / "config.json").write_text(json.dumps(values, indent=2))
     byte_tokenizer().save_pretrained(folder)
     return folder
+
+
+def _predict_next(tensors: dict, prefix: str, layout: str, hidden: int) -> None:
+    """MTP layer ``prefix`` returns the target's logits for its token alone (see ``predictive``)."""
+    eye, zero = torch.eye(hidden), torch.zeros(hidden, hidden)
+    for name in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
+        tensors[prefix + name] = torch.zeros_like(tensors[prefix + name])
+    final_norm = tensors["model.norm.weight"].clone()
+    if layout == "deepseek":  # eh_proj over cat(enorm(e), hnorm(h)): keep e
+        tensors |= {prefix + "eh_proj.weight": torch.cat((eye, zero), 1), prefix + "enorm.weight": torch.ones(hidden)}
+        tensors |= {
+            prefix + "shared_head.norm.weight": final_norm,
+            prefix + "shared_head.head.weight": tensors["lm_head.weight"].clone(),
+        }
+    else:  # input_proj over cat(hidden_ln(h), token_ln(e)): keep e
+        tensors |= {
+            prefix + "input_proj.weight": torch.cat((zero, eye), 1),
+            prefix + "token_layernorm.weight": torch.ones(hidden),
+        }
+        tensors[prefix + "final_layernorm.weight"] = final_norm
 
 
 # Reference forward ---------------------------------------------------------------------------------------

@@ -65,7 +65,8 @@ def check_family(source: ModelSource) -> None:
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot read {source.folder / 'config.json'}: {_first_line(exc)}") from None
     if isinstance(values, dict):  # the family only: RoPE and the rest are read from the parsed config
-        adapter_for(SimpleNamespace(model_type=values.get("model_type"), architectures=values.get("architectures")))
+        family = CONFIG_ALIASES.get(values.get("model_type"), values.get("model_type"))  # MiMo's target is a Qwen2
+        adapter_for(SimpleNamespace(model_type=family, architectures=values.get("architectures")))
 
 
 def source_digest(source: ModelSource) -> str:

@@ -34,13 +34,16 @@ import importlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from torch import nn
 
 from qspec.errors import ConfigError, ModelLoadError
 from qspec.heads.checkpoint import frozen_linear
+from qspec.heads.eagle import EagleKind
+from qspec.heads.kind import TracedHead
+from qspec.specializations import Specialization, SpecializationConfig
 
 MTPLayout = Literal["deepseek", "mimo"]
 NEXTN_KEY = "num_nextn_predict_layers"  # how many MTP layers the config says the checkpoint ships
@@ -94,20 +97,23 @@ def find_mtp(folder: str | Path) -> MTPSource:
     names = checkpoint.names
     base = int(config.get("num_hidden_layers", 0))
     count = int(config.get(NEXTN_KEY) or 0)
-    mimo = [f"model.mtp_layers.{i}." for i in range(max(count, 1))]
-    nextn = [f"model.layers.{base + i}." for i in range(max(count, 1))]
-    for layout, prefixes, marker in (("mimo", mimo, "input_proj.weight"), ("deepseek", nextn, "eh_proj.weight")):
-        present = [p for p in prefixes if p + marker in names]
-        if present and count and len(present) < count:
-            raise ModelLoadError(
-                f"{folder} says {NEXTN_KEY}={count} but holds {len(present)} MTP layers; fix its config"
-            )
+    for layout, marker in (("mimo", "input_proj.weight"), ("deepseek", "eh_proj.weight")):
+        present = 0
+        while _prefix(layout, base, present) + marker in names:  # without the config's count, as many as there are
+            present += 1
+        if present and count and present < count:
+            raise ModelLoadError(f"{folder} says {NEXTN_KEY}={count} but holds {present} MTP layers; fix its config")
         if present:
-            return MTPSource(layout, len(present), tuple(present))
+            return MTPSource(layout, count or present, tuple(_prefix(layout, base, i) for i in range(count or present)))
     raise ConfigError(
         f"{folder} has no MTP layers (no model.layers.{base}.eh_proj nor model.mtp_layers.0.input_proj); "
         "drop --mtp or give a checkpoint that ships them"
     )
+
+
+def _prefix(layout: MTPLayout, num_hidden_layers: int, layer: int) -> str:
+    """Tensor prefix of MTP layer ``layer``: ``model.mtp_layers.{i}.`` (MiMo), ``model.layers.{L+i}.`` (DeepSeek)."""
+    return f"model.mtp_layers.{layer}." if layout == "mimo" else f"model.layers.{num_hidden_layers + layer}."
 
 
 # Modules -----------------------------------------------------------------------------------------------
@@ -239,3 +245,78 @@ def _layer_state(checkpoint, prefix: str, layout: MTPLayout) -> dict[str, torch.
         key = OWN_NAMES[layout][theirs] + rest.removeprefix(theirs) if theirs else f"block.{rest}"
         state[key] = checkpoint.read(name)
     return state
+
+
+# The kind ------------------------------------------------------------------------------------------------
+
+
+class MTPKind(EagleKind):
+    """MTP layers of a target's checkpoint, ``layout_name`` naming: one EAGLE-style program per layer
+    (:mod:`qspec.heads.mtp_export`), EAGLE's specializations, custom IO and runtime rewrite; run by ``mtp``."""
+
+    method = "mtp"
+    layout_name: ClassVar[str]
+
+    def detect(self, folder: Path, config: dict | None) -> bool:
+        if config is None:
+            return False
+        try:
+            return find_mtp(folder).layout == self.layout_name
+        except (ConfigError, ModelLoadError):
+            return False
+
+    def load(self, folder: Path, target) -> MTPHead:
+        return load_mtp(folder, target)[0]
+
+    def programs(self, head) -> int:
+        return len(head.mtp_layers)
+
+    def trace(self, head, config: SpecializationConfig) -> TracedHead:
+        return self.trace_program(head, config, 0)
+
+    def trace_program(self, head, config: SpecializationConfig, program: int) -> TracedHead:
+        """MTP layer ``program``'s graph."""
+        from qspec.heads import export
+        from qspec.heads.mtp_export import trace_mtp
+
+        cb = config.continuous_batching
+        return TracedHead(
+            trace_mtp(head, program, continuous_batching=cb),
+            export.eagle_input_names(continuous_batching=cb),
+            export.eagle_output_names(),
+        )
+
+    def fuse(self, model, head, config: SpecializationConfig, specs: list[Specialization]) -> dict:
+        """EAGLE's fusions on the block (every layer's block has the same attention shapes and RoPE)."""
+        from qspec.heads import ort_graph
+        from qspec.heads.mtp_export import mtp_attention_info
+        from qspec.package import attention_slack
+
+        kv_slack = attention_slack(max(spec.seq_len for spec in specs))
+        rope_positions = config.ctx_len + kv_slack
+        fusions = ort_graph.fuse_eagle(model, mtp_attention_info(head, 0), rope_positions=rope_positions)
+        return {"fusions": fusions, "kv_slack": kv_slack, "rope_positions": rope_positions}
+
+    def manifest_fields(self, head, config: SpecializationConfig) -> dict:
+        from qspec.heads.mtp_export import head_dim
+
+        return {
+            "num_heads": 1,
+            "num_layers": len(head.mtp_layers),
+            "num_kv_heads": head.config.num_key_value_heads,
+            "head_dim": head_dim(head),
+            "ctx_len": config.ctx_len,
+        }
+
+
+class DeepSeekMTPKind(MTPKind):
+    layout, layout_name = "deepseek-mtp", "deepseek"
+    expects = "MTP layers model.layers.{L+i}.{enorm, hnorm, eh_proj, shared_head} (num_nextn_predict_layers)"
+
+
+class MiMoMTPKind(MTPKind):
+    layout, layout_name = "mimo-mtp", "mimo"
+    expects = "MiMo's MTP layers model.mtp_layers.{i}.{token_layernorm, hidden_layernorm, input_proj}"
+
+
+DEEPSEEK_MTP, MIMO_MTP = DeepSeekMTPKind(), MiMoMTPKind()

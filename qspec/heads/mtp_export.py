@@ -44,8 +44,10 @@ class MTPKVExplicit(nn.Module):
         super().__init__()
         from qspec.export.wrapper import KVExplicitLM
 
-        self.lm = KVExplicitLM(_BlockDecoder(head, layer), continuous_batching=continuous_batching, speculative=False)
+        # Registered first: the exporter names a shared weight by its last path, and the fused runtime graph finds
+        # the block's projections under ``lm.layers.0`` (qspec.heads.ort_graph.EAGLE_LAYER_PREFIX).
         self.mtp = head.mtp_layers[layer]
+        self.lm = KVExplicitLM(_BlockDecoder(head, layer), continuous_batching=continuous_batching, speculative=False)
         self.continuous_batching = continuous_batching
 
     def forward(self, *args):
