@@ -42,13 +42,25 @@ CclDecodeOption = Annotated[
 Backend = Literal["ort", "qaic"]
 WeightFormat = Literal["fp32", "int8", "int4"]
 Method = Literal[
-    "none", "pld", "ngram", "suffix", "draft", "eagle", "medusa", "eagle+pld", "medusa+pld", "eagle3", "eagle3+pld"
+    "none",
+    "pld",
+    "ngram",
+    "suffix",
+    "draft",
+    "eagle",
+    "medusa",
+    "mtp",
+    "eagle+pld",
+    "medusa+pld",
+    "mtp+pld",
+    "eagle3",
+    "eagle3+pld",
 ]
 MethodOption = Annotated[
     Method,
     typer.Option(
         help="Speculative method: none, pld (prompt lookup; alias ngram), suffix, draft (--draft-package), or with "
-        "the package's draft head (compile --draft-head) eagle (alias eagle3), medusa, eagle+pld, medusa+pld."
+        "the package's draft head (compile --draft-head, --mtp) eagle (alias eagle3), medusa, mtp, and each +pld."
     ),
 ]
 DraftPackageOption = Annotated[Optional[Path], typer.Option(help="The draft model's package (method draft).")]

@@ -120,6 +120,9 @@ def compile(
         Optional[WeightFormat],
         typer.Option(help="ort: the draft head's MatMul weights, fp32, int8 or int4 (default: int8 beside fp32)."),
     ] = None,
+    mtp: Annotated[
+        bool, typer.Option(help="Compile the MTP layers MODEL's checkpoint ships (DeepSeek nextn, MiMo) as its head.")
+    ] = False,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Package directory to write.")] = None,
     force: Annotated[bool, typer.Option(help="Rebuild even if an identical package exists.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the manifest summary as JSON.")] = False,
@@ -167,6 +170,7 @@ def compile(
             vendor_graph=vendor_graph,
             draft_head=str(draft_head) if draft_head else None,
             draft_head_weight_format=draft_head_weight_format,
+            mtp=mtp,
         )
         with status("compiling") as say:
             folder, manifest, reused = compile_package(
@@ -198,7 +202,7 @@ def compile(
             for note in qaic.notes:
                 print(f"qaic: {note}")
             scripts += [] if qaic.ran else [folder / qaic.script]
-        if draft_head:
+        if draft_head or mtp:
             from qspec.head_manifest import HEAD_DIR, read_head_manifest
 
             head = read_head_manifest(folder)

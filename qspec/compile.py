@@ -71,6 +71,7 @@ class CompileOptions(FrozenModel):
     draft_head: str | None = None  # a draft head checkpoint folder (EAGLE-1, Medusa, turbo): PACKAGE/head/
     draft_head_weight_format: WeightFormat | None = None  # the head's runtime-graph MatMuls; None: head_weight_format
     vendor_graph: bool = False  # backend ort: also ship model.onnx and its fp32 weights (backend qaic always does)
+    mtp: bool = False  # the model checkpoint's own MTP layers as the head (qspec.heads.mtp)
 
     @property
     def ships_vendor_graph(self) -> bool:
@@ -90,7 +91,11 @@ class CompileOptions(FrozenModel):
     @property
     def exports_hidden_states(self) -> bool:
         """A draft head reads the target's hidden states: its package's graphs return them."""
-        return self.hidden_states or self.draft_head is not None
+        return self.hidden_states or self.draft_head is not None or self.mtp
+
+    @property
+    def has_head(self) -> bool:
+        return self.draft_head is not None or self.mtp
 
     @model_validator(mode="after")
     def _vendor_compresses_its_own_weights(self) -> CompileOptions:
@@ -108,8 +113,10 @@ class CompileOptions(FrozenModel):
 
     @model_validator(mode="after")
     def _head_format_needs_a_head(self) -> CompileOptions:
-        if self.draft_head_weight_format is not None and self.draft_head is None:
-            raise ValueError("draft_head_weight_format is the draft head's: give --draft-head too, or drop it")
+        if self.draft_head_weight_format is not None and not self.has_head:
+            raise ValueError("draft_head_weight_format is the head's: give --draft-head too (or --mtp), or drop it")
+        if self.mtp and self.draft_head is not None:
+            raise ValueError("a package holds one head: give --mtp or --draft-head, not both")
         return self
 
     @model_validator(mode="after")
@@ -174,6 +181,8 @@ def _inputs_key(digest: str, options: CompileOptions) -> str:
         | (
             {"draft_head": _head_digest(options.draft_head), "head_weight_format": options.head_weight_format}
             if options.draft_head
+            else {"head_weight_format": options.head_weight_format}
+            if options.mtp
             else {}
         )
     )
@@ -354,14 +363,21 @@ def _check_or_prepare_vendor(
 
 
 def _add_draft_head(
-    folder: Path, options: CompileOptions, config: SpecializationConfig, exported: _Exported, *, progress: Progress
+    folder: Path,
+    model: str | os.PathLike[str],
+    options: CompileOptions,
+    config: SpecializationConfig,
+    exported: _Exported,
+    *,
+    progress: Progress,
 ) -> None:
     """The draft head's own graphs and manifest in ``PACKAGE/head/`` (:mod:`qspec.heads.package`); the target's
-    embedding and LM head are read from the export's vendor graph (an ort package does not ship it)."""
+    embedding and LM head are read from the export's vendor graph (an ort package does not ship it). With ``mtp``
+    the model folder is the head's checkpoint (its MTP layers, :mod:`qspec.heads.mtp`)."""
     from qspec.heads.package import compile_head
 
     compile_head(
-        options.draft_head,
+        model if options.mtp else options.draft_head,
         folder,
         config=config,
         target_fingerprint=exported.meta.key,
@@ -471,6 +487,10 @@ def compile_package(
 
     source = resolve_source(model)
     check_family(source)
+    if options.mtp:
+        from qspec.heads.mtp import find_mtp
+
+        find_mtp(model)  # a checkpoint without MTP layers fails before any work
     say("hashing model files")
     digest = source_digest(source)
     key = _inputs_key(digest, options)
@@ -488,8 +508,8 @@ def compile_package(
         _write_files(folder, exported, graph, options)
         _fold_taps(folder, exported, graph, options)
         checks, qaic = _check_or_prepare_vendor(folder, exported, graph, options, progress=say)
-        if options.draft_head is not None:
-            _add_draft_head(folder, options, config, exported, progress=say)
+        if options.has_head:
+            _add_draft_head(folder, model, options, config, exported, progress=say)
         dump_manifest(_manifest(key, exported, options, config, graph, checks, qaic, start=start), folder)
 
     write_package_atomic(target, build)

@@ -10,6 +10,7 @@
       draft_ids.npy          int64 [draft_vocab]: target id of each draft-vocabulary entry (reduced vocab only)
       specializations.json   the head's shapes (flat or named, as the target's)
       custom_io.yaml, compile_qaic.sh   backend "qaic" only
+      layer{i}/              program i >= 1 (MTP layer i): the same graph and vendor files, one program each
 
 It sits beside :mod:`qspec.package` (the target's manifest) and imports what that module imports: the runtime
 reads it, and neither torch nor :mod:`qspec.heads` (the compile side) is imported here. ``method`` names the
@@ -56,7 +57,8 @@ class HeadManifest(FrozenModel):
     draft_vocab_size: int = Field(ge=1)
     draft_ids_file: str | None = None  # None: the draft vocabulary is the target's (identity)
     num_heads: int = Field(default=1, ge=1)  # Medusa heads (tokens per call); 1 for EAGLE
-    num_layers: int = Field(default=1, ge=1)  # residual blocks per Medusa head; decoder layers of EAGLE
+    num_layers: int = Field(default=1, ge=1)  # residual blocks per Medusa head; decoder layers of EAGLE; MTP layers
+    programs: int = Field(default=1, ge=1)  # head graphs: one per MTP layer (head/, head/layer{i}/), else one
     # EAGLE's own KV cache (one layer): past_key.0 / past_value.0 [rows, num_kv_heads, ctx_len, head_dim]
     num_kv_heads: int | None = None
     head_dim: int | None = None
@@ -90,9 +92,14 @@ class HeadManifest(FrozenModel):
             return None
         return self.num_kv_heads, self.ctx_len + self.kv_slack, self.head_dim
 
-    def path(self, package: str | os.PathLike[str], name: str) -> Path:
-        """``<package>/head/<name>``."""
-        return Path(package) / HEAD_DIR / name
+    def path(self, package: str | os.PathLike[str], name: str, program: int = 0) -> Path:
+        """``<package>/head/<name>``; program ``i >= 1``'s (MTP layer ``i``): ``<package>/head/layer{i}/<name>``."""
+        return Path(package) / HEAD_DIR / program_dir(program) / name
+
+
+def program_dir(program: int) -> str:
+    """The folder of head program ``program`` inside ``head/``: ``""`` for program 0, ``layer{i}`` else."""
+    return f"layer{program}" if program else ""
 
 
 def has_head(package: str | os.PathLike[str]) -> bool:
@@ -123,8 +130,8 @@ def check_head(package: str | os.PathLike[str]) -> HeadManifest:
     names = {manifest.graph, manifest.runtime_graph, manifest.specializations_file}
     if manifest.draft_ids_file:
         names.add(manifest.draft_ids_file)
-    for name in sorted(names):
-        if not manifest.path(package, name).is_file():
+    for name, program in sorted((n, i) for n in names for i in range(manifest.programs)):
+        if not manifest.path(package, name, program).is_file():
             raise PackageError(
                 f"the draft head of {package} is missing {name}; recompile the package with --draft-head"
             )

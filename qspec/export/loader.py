@@ -12,6 +12,8 @@ from pathlib import Path
 
 from qspec.errors import ModelLoadError
 
+# Families whose target part is another family's model (the tensors it does not have, MTP layers, are left out).
+CONFIG_ALIASES = {"mimo": "qwen2"}
 # Files of a model folder that decide what gets exported (weights, config, tokenizer).
 _MODEL_FILE_SUFFIXES = (".safetensors", ".bin", ".json", ".model", ".txt", ".jinja", ".gguf")
 
@@ -63,7 +65,8 @@ def check_family(source: ModelSource) -> None:
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot read {source.folder / 'config.json'}: {_first_line(exc)}") from None
     if isinstance(values, dict):  # the family only: RoPE and the rest are read from the parsed config
-        adapter_for(SimpleNamespace(model_type=values.get("model_type"), architectures=values.get("architectures")))
+        family = CONFIG_ALIASES.get(values.get("model_type"), values.get("model_type"))  # MiMo's target is a Qwen2
+        adapter_for(SimpleNamespace(model_type=family, architectures=values.get("architectures")))
 
 
 def source_digest(source: ModelSource) -> str:
@@ -84,10 +87,26 @@ def source_digest(source: ModelSource) -> str:
     return digest.hexdigest()
 
 
+def read_config(where, **kwargs):
+    """The model's config; a family of :data:`CONFIG_ALIASES` is read as the family its target part is.
+    Example: MiMo's ``config.json`` (``model_type: mimo``) gives a ``Qwen2Config``."""
+    import json
+
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    file = Path(where) / "config.json"
+    values = json.loads(file.read_text()) if not kwargs and file.is_file() else {}
+    if values.get("model_type") in CONFIG_ALIASES:
+        family = CONFIG_ALIASES[values.pop("model_type")]
+        return CONFIG_MAPPING[family].from_dict(values)
+    return AutoConfig.from_pretrained(where, **kwargs)
+
+
 def load_model(source: ModelSource):
     """Load ``(model, tokenizer)`` in fp32, eval mode. Errors say what to fix; nothing is downloaded offline."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     from qspec.export.wrapper import adapter_for
@@ -98,14 +117,15 @@ def load_model(source: ModelSource):
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     with _gguf_read_once() if source.gguf_file else contextlib.nullcontext():
         try:
-            config = AutoConfig.from_pretrained(where, **kwargs)
+            config = read_config(where, **kwargs)
         except (OSError, ValueError):
             config = None  # reported below, by the model load, with the same wording
         if config is not None:
             adapter_for(config)  # an unsupported family fails before the weights are read
         try:
             tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
-            model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **kwargs)
+            given = {"config": config} if config is not None else {}
+            model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **given, **kwargs)
         except (OSError, ValueError) as exc:
             if not source.is_local:
                 raise ModelLoadError(
@@ -164,7 +184,7 @@ def _meta_model(source: ModelSource):
     """The model of ``source``'s config in fp32, its parameters on the meta device (tied as from_pretrained ties)."""
     import torch
     from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     from qspec.export.wrapper import adapter_for
@@ -173,7 +193,7 @@ def _meta_model(source: ModelSource):
     hf_logging.disable_progress_bar()
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     try:
-        config = AutoConfig.from_pretrained(source.folder, **kwargs)
+        config = read_config(source.folder, **kwargs)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"could not load model from '{source.folder}': {_first_line(exc)}") from exc
     adapter_for(config)  # an unsupported family fails before anything else

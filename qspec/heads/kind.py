@@ -91,6 +91,15 @@ class HeadKind(ABC):
     def trace(self, head, config: SpecializationConfig) -> TracedHead:
         """The head graph of the qspec contract."""
 
+    def programs(self, head) -> int:
+        """How many head graphs the kind compiles, each a program of its own (``head/``, ``head/layer{i}/``):
+        one per MTP layer, else one."""
+        return 1
+
+    def trace_program(self, head, config: SpecializationConfig, program: int) -> TracedHead:
+        """The graph of program ``program`` (``0 <= program < programs(head)``)."""
+        return self.trace(head, config)
+
     @abstractmethod
     def specializations(self, config: SpecializationConfig) -> list[Specialization]:
         """The head's shapes for the target's specialization config."""

@@ -1,13 +1,15 @@
 """The table of draft-head kinds: one :class:`~qspec.heads.kind.HeadKind` per checkpoint layout, one module each.
 
-=========  ==========================  =======  =============================================
-layout     module                      method   detected by
-=========  ==========================  =======  =============================================
-turbo      :mod:`qspec.heads.medusa`   medusa   ``speculator_config.json``
-medusa     :mod:`qspec.heads.medusa`   medusa   ``medusa_lm_head.*``, or ``medusa_num_heads``
-eagle3     :mod:`qspec.heads.eagle3`   eagle    ``LlamaForCausalLMEagle3``, or speculators' ``eagle3``
-eagle      :mod:`qspec.heads.eagle`    eagle    ``config.json`` with one layer
-=========  ==========================  =======  =============================================
+=============  ==========================  =======  =====================================================
+layout         module                      method   detected by
+=============  ==========================  =======  =====================================================
+deepseek-mtp   :mod:`qspec.heads.mtp`      mtp      a model folder with ``model.layers.{L}.eh_proj``
+mimo-mtp       :mod:`qspec.heads.mtp`      mtp      a model folder with ``model.mtp_layers.0.input_proj``
+turbo          :mod:`qspec.heads.medusa`   medusa   ``speculator_config.json``
+medusa         :mod:`qspec.heads.medusa`   medusa   ``medusa_lm_head.*``, or ``medusa_num_heads``
+eagle3         :mod:`qspec.heads.eagle3`   eagle    ``LlamaForCausalLMEagle3``, or speculators' ``eagle3``
+eagle          :mod:`qspec.heads.eagle`    eagle    ``config.json`` with one layer
+=============  ==========================  =======  =====================================================
 
 Detection tries the kinds in the table's order (the more specific first). ``method`` is the runtime proposer
 (:data:`qspec.runtime.heads.HEAD_PROPOSERS`); ``tests/test_heads_modules.py`` checks that every kind's has one.
@@ -23,9 +25,10 @@ from qspec.heads.eagle import EAGLE
 from qspec.heads.eagle3 import EAGLE3
 from qspec.heads.kind import HeadKind
 from qspec.heads.medusa import MEDUSA, TURBO
+from qspec.heads.mtp import DEEPSEEK_MTP, MIMO_MTP
 
 CONFIG = "config.json"
-KINDS: dict[str, HeadKind] = {kind.layout: kind for kind in (TURBO, MEDUSA, EAGLE3, EAGLE)}
+KINDS: dict[str, HeadKind] = {kind.layout: kind for kind in (DEEPSEEK_MTP, MIMO_MTP, TURBO, MEDUSA, EAGLE3, EAGLE)}
 
 
 def head_config(head_dir: str | Path) -> dict | None:

@@ -47,6 +47,7 @@ from qspec.head_manifest import (
     HEAD_ORT_ONNX,
     HeadManifest,
     HeadWeightFormat,
+    program_dir,
 )
 from qspec.heads.kind import HeadKind
 from qspec.spec_file import SpecFormat
@@ -156,6 +157,21 @@ def _write_runtime_graph(model, head, kind: HeadKind, folder: Path, config, spec
     return fields | {"runtime_graph": HEAD_ORT_ONNX}
 
 
+def _write_program(head, kind: HeadKind, program: int, folder: Path, config, specs, weight_format, spec_format, say):
+    """Program ``program``'s vendor graph, runtime graph and specializations in ``folder``; returns its traced
+    head, the runtime graph's manifest fields and how many initializers are stored as float16."""
+    from qspec.heads import export
+
+    say(f"exporting the {kind.layout} head graph" + (f" {program}" if kind.programs(head) > 1 else ""))
+    folder.mkdir(parents=True, exist_ok=True)
+    traced = kind.trace_program(head, config, program)
+    runtime = _write_runtime_graph(traced.model, head, kind, folder, config, specs, weight_format, say)
+    fp16 = export.store_float16(traced.model)
+    export.save(traced.model, folder / HEAD_ONNX)
+    kind.write_specializations(specs, folder / "specializations.json", spec_format)
+    return traced, runtime, fp16
+
+
 # Orchestrator ----------------------------------------------------------------------------------------
 
 
@@ -196,22 +212,23 @@ def compile_head(
         raise ConfigError(f"the draft head's hidden size {width} differs from the target's {hidden}; use a head for it")
     kind.prepare(head)
 
-    say(f"exporting the {kind.layout} head graph")
-    traced = kind.trace(head, config)
     specs = kind.specializations(config)
-    runtime = _write_runtime_graph(traced.model, head, kind, folder, config, specs, weight_format, say)
-    fp16 = export.store_float16(traced.model)
-    export.save(traced.model, folder / HEAD_ONNX)
+    programs = kind.programs(head)
+    built = [
+        _write_program(head, kind, i, folder / program_dir(i), config, specs, weight_format, spec_format, say)
+        for i in range(programs)
+    ]
+    traced, runtime, fp16 = built[0]  # every program is built alike
 
     draft_ids_file = None
     if head.draft_ids is not None:
         draft_ids_file = DRAFT_IDS_FILE
         np.save(folder / DRAFT_IDS_FILE, head.draft_ids.numpy().astype(np.int64))
-    kind.write_specializations(specs, folder / "specializations.json", spec_format)
     qaic_result = None
     if backend == "qaic":
         say("preparing the head's qaic-compile command")
-        qaic_result = prepare_head_qaic(folder, kind, qaic or QaicOptions())
+        results = [prepare_head_qaic(folder / program_dir(i), kind, qaic or QaicOptions()) for i in range(programs)]
+        qaic_result = results[0]
     manifest = HeadManifest(
         method=kind.method,
         layout=kind.layout,
@@ -234,13 +251,17 @@ def compile_head(
         spec_format=spec_format,
         backend=backend,
         qaic=qaic_result,
-        graph_bytes=export.graph_bytes(folder / HEAD_ONNX),
-        runtime_graph_bytes=export.graph_bytes(folder / runtime["runtime_graph"]),
+        programs=programs,
+        graph_bytes=sum(export.graph_bytes(folder / program_dir(i) / HEAD_ONNX) for i in range(programs)),
+        runtime_graph_bytes=sum(
+            export.graph_bytes(folder / program_dir(i) / runtime["runtime_graph"]) for i in range(programs)
+        ),
         export_seconds=round(time.perf_counter() - begin, 2),
     )
     if backend == "ort":
         say("checking the head graph in ONNX Runtime")
-        check_head_sessions(folder, manifest)
+        for i in range(programs):
+            check_head_sessions(folder / program_dir(i), manifest)
     write_text_atomic(folder / HEAD_MANIFEST, manifest.model_dump_json(indent=2) + "\n")
     return manifest
 

@@ -165,11 +165,11 @@ class HiddenStateProposer(Proposer):
     chained = False  # one head call per draft (EAGLE), else one call for every draft (Medusa)
 
     @classmethod
-    def from_manifest(cls, graph: HeadGraph, draft_ids, manifest: HeadManifest, *, threshold: float):
-        """The proposer of a package's head (its graph loaded)."""
+    def from_manifest(cls, graphs: list[HeadGraph], draft_ids, manifest: HeadManifest, *, threshold: float):
+        """The proposer of a package's head (its graphs loaded: one per program, ``HeadManifest.programs``)."""
         rows = manifest.full_batch_size or 1
         return cls(
-            graph,
+            graphs[0],
             draft_ids,
             ctx_len=manifest.ctx_len or 0,
             hidden_size=manifest.hidden_size,
@@ -242,7 +242,12 @@ class HiddenStateProposer(Proposer):
 
 class EagleProposer(HiddenStateProposer):
     """EAGLE drafts (EAGLE-1 and EAGLE-3): a catch-up call over the new pairs, then chained one-token calls
-    (module doc)."""
+    (module doc). It runs MTP layers too (method ``mtp``): one graph per layer, ``chain``; the catch-up runs
+    layer 0 and draft ``j + 1`` comes from layer ``j % n`` (vLLM's ``spec_step_idx % num_mtp_layers``: each step
+    its own layer, one layer chained). Example, two layers, K = 3: layer 0 catches up and drafts ``d_1``, layer 1
+    reads ``d_1`` and drafts ``d_2``, layer 0 reads ``d_2`` and drafts ``d_3``. A layer ``i >= 1`` sees in its
+    cache what its own chained calls wrote (as in vLLM, whose first pass alone runs over the verified tokens).
+    """
 
     chained = True
 
@@ -256,22 +261,25 @@ class EagleProposer(HiddenStateProposer):
         rows: int,
         threshold: float,
         widths: Sequence[int],
+        chain: Sequence[HeadGraph] = (),
     ):
         super().__init__(head, draft_ids, ctx_len=ctx_len, hidden_size=hidden_size, rows=rows, threshold=threshold)
         self.widths = sorted(set(widths))  # the head's compiled seq_len values
+        self.chain = list(chain) or [head]  # the graph of each draft depth, cycled (MTP layers; class doc)
 
     @classmethod
-    def from_manifest(cls, graph: HeadGraph, draft_ids, manifest: HeadManifest, *, threshold: float):
+    def from_manifest(cls, graphs: list[HeadGraph], draft_ids, manifest: HeadManifest, *, threshold: float):
         rows = manifest.full_batch_size or 1
         widths = [spec.seq_len for spec in manifest.specializations]
         return cls(
-            graph,
+            graphs[0],
             draft_ids,
             ctx_len=manifest.ctx_len or 0,
             hidden_size=manifest.hidden_size,
             rows=rows,
             threshold=threshold,
             widths=widths,
+            chain=graphs,
         )
 
     @staticmethod
@@ -301,7 +309,9 @@ class EagleProposer(HiddenStateProposer):
             out.append(Proposal(drafts, confidence=row.first) if drafts is not None else Proposal.empty())
         return out
 
-    def _call(self, rows: list[_Row], pieces: list[tuple[list[int], np.ndarray, int]]) -> dict[str, np.ndarray]:
+    def _call(
+        self, rows: list[_Row], pieces: list[tuple[list[int], np.ndarray, int]], graph: HeadGraph | None = None
+    ) -> dict[str, np.ndarray]:
         """One head call: row i writes ``(tokens, hidden, start)`` = ``pieces[i]`` at positions ``start, ...``."""
         longest = max(len(tokens) for tokens, _, _ in pieces)
         width = next((w for w in self.widths if w >= longest), longest)
@@ -314,9 +324,10 @@ class EagleProposer(HiddenStateProposer):
             positions[i, : len(tokens)] = np.arange(start, start + len(tokens))
             hidden[i, : len(tokens)] = feats
         feeds = {contract.INPUT_IDS: ids, contract.POSITION_IDS: positions, contract.HIDDEN_STATES: hidden}
-        if self.head.batch_index:
+        graph = graph or self.head
+        if graph.batch_index:
             feeds[contract.BATCH_INDEX] = np.asarray([[row.request.row] for row in rows], np.int64)
-        return self.head.run(feeds)
+        return graph.run(feeds)
 
     def _catch_up(self, rows: list[_Row]) -> None:
         """Write every row's pairs ``(f_t, x_{t+1})`` not yet cached, widest shape first; the last call of a row
@@ -369,7 +380,8 @@ class EagleProposer(HiddenStateProposer):
             for row in going:
                 position = len(row.request.tokens) - 1 + len(row.drafts) - 1  # pair (f^_{N+i-1}, d_i) at N + i - 1
                 pieces.append(([row.drafts[-1]], row.feature[None], position))
-            out = self._call(going, pieces)
+            depth = len(going[0].drafts)  # the going rows chain in step: as many drafts each
+            out = self._call(going, pieces, self.chain[depth % len(self.chain)])
             for i, row in enumerate(going):
                 self._take(row, out[contract.LOGITS][i, -1], out[contract.HIDDEN_STATES_OUT][i, -1])
 
@@ -442,7 +454,11 @@ class LookupFirstProposer(Proposer):
 
 # The runtime's table of head methods: HeadManifest.method -> its proposer. A head kind
 # (qspec.heads.kinds.KINDS) names one of these; the CLI's head methods are these and their +pld.
-HEAD_PROPOSERS: dict[str, type[HiddenStateProposer]] = {"eagle": EagleProposer, "medusa": MedusaProposer}
+HEAD_PROPOSERS: dict[str, type[HiddenStateProposer]] = {
+    "eagle": EagleProposer,
+    "medusa": MedusaProposer,
+    "mtp": EagleProposer,  # a checkpoint's MTP layers: EAGLE's steps, a graph per layer (EagleProposer's doc)
+}
 HEAD_METHOD_ALIASES = {"eagle3": "eagle"}  # EAGLE-3 heads run as EAGLE (the package holds one kind)
 
 
@@ -464,6 +480,9 @@ def load_head_proposer(
     """The ``method`` proposer of ``package``'s draft head (``qspec compile --draft-head``)."""
     method = HEAD_METHOD_ALIASES.get(method, method)
     if not has_head(package):
+        if method == "mtp":
+            fix = "compile it with `qspec compile MODEL --mtp`"
+            raise ConfigError(f"method mtp needs the MTP layers of the target in {package}; {fix}")
         raise ConfigError(
             f"method {method} needs a draft head in {package}; compile it with `qspec compile ... --draft-head DIR`"
         )
@@ -472,8 +491,11 @@ def load_head_proposer(
         raise ConfigError(f"{package}'s draft head is {manifest.method}; use --method {manifest.method}")
     threshold = DEFAULT_THRESHOLD if draft_confidence_threshold is None else draft_confidence_threshold
     rows = manifest.full_batch_size or 1
-    graph = HeadGraph(
-        manifest.path(package, manifest.runtime_graph), rows=rows, kv=manifest.kv_shape, num_threads=num_threads
-    )
+    graphs = [
+        HeadGraph(
+            manifest.path(package, manifest.runtime_graph, i), rows=rows, kv=manifest.kv_shape, num_threads=num_threads
+        )
+        for i in range(manifest.programs)
+    ]
     proposer = head_proposer(manifest.method)
-    return proposer.from_manifest(graph, read_draft_ids(package, manifest), manifest, threshold=threshold)
+    return proposer.from_manifest(graphs, read_draft_ids(package, manifest), manifest, threshold=threshold)
