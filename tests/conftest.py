@@ -7,7 +7,13 @@ from pathlib import Path
 
 import pytest
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "phi3",
+)
 VOCAB = 320  # 256 byte tokens + 3 specials fit below this
 
 
@@ -49,7 +55,16 @@ def tiny_config(family: str, *, tie: bool = True, layers: int = 2):
         common["sliding_window"] = 6  # small, so the window matters in short tests
     if family == "qwen3":
         common["head_dim"] = 16
+    common |= FAMILY_SETTINGS.get(family, {})
     return AutoConfig.for_model(family, **common)
+
+
+# What makes each family differ from Llama, at sizes where it shows in short tests.
+FAMILY_SETTINGS = {
+    # fused qkv_proj and gate_up_proj; RoPE on half of each 32-wide head (16 features: what ONNX Runtime's
+    # GroupQueryAttention takes, a multiple of 16)
+    "phi3": dict(num_attention_heads=2, num_key_value_heads=1, partial_rotary_factor=0.5, pad_token_id=0),
+}
 
 
 def save_tiny_model(folder: Path, family: str, *, tie: bool = True, seed: int = 0, layers: int = 2) -> Path:

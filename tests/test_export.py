@@ -393,7 +393,7 @@ def test_unsupported_architecture_names_supported_ones(tmp_path):
 
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=320)).save_pretrained(tmp_path)
     byte_tokenizer().save_pretrained(tmp_path)
-    with pytest.raises(UnsupportedModelError, match="'gpt2'.*supported: llama, mistral, qwen2, qwen3"):
+    with pytest.raises(UnsupportedModelError, match="'gpt2'.*supported: .*llama, mistral, .*qwen3"):
         export_model(tmp_path, cache_dir=tmp_path / "cache")
 
 

@@ -138,15 +138,18 @@ def fuse_attention(
     nodes = []
     for i in range(attention.num_layers):
         prefix = layer_prefix.format(i=i)
-        q, k, v = (producers[prefix + name] for name in ("q_proj", "k_proj", "v_proj"))
         o_proj = producers[prefix + "o_proj"].producer()  # its MatMul reads the attention output
+        heads = [attention.num_heads, attention.num_kv_heads, attention.num_kv_heads]
+        if prefix + "qkv_proj" in producers:  # a fused projection (Phi-3) is the op's packed QKV as it is
+            q, k, v, heads = producers[prefix + "qkv_proj"], None, None, [sum(heads), 0, 0]
+        else:
+            q, k, v = (producers[prefix + name] for name in ("q_proj", "k_proj", "v_proj"))
         if attention.qk_norm:  # per-head RMSNorm before RoPE (the CPU kernel has no q/k norm inputs)
             q, k = (
                 _head_norm(graph, nodes, x, prefix + name, attention, n)
                 for x, name, n in ((q, "q_norm", attention.num_heads), (k, "k_norm", attention.num_kv_heads))
             )
-        heads = [attention.num_heads, attention.num_kv_heads, attention.num_kv_heads]
-        if pack_qkv and not attention.qk_norm:
+        if pack_qkv and not attention.qk_norm and k is not None:
             q, k, v, heads = _packed_qkv(graph, nodes, (q, k, v), prefix), None, None, [sum(heads), 0, 0]
         if pack_tokens:  # the call's live tokens to their KV rows and slots, zero tokens up to `query` per row
             q, k, v = (
