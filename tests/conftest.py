@@ -13,6 +13,7 @@ FAMILIES = (
     "qwen2",
     "qwen3",
     "phi3",
+    "granite",
 )
 VOCAB = 320  # 256 byte tokens + 3 specials fit below this
 
@@ -64,6 +65,7 @@ FAMILY_SETTINGS = {
     # fused qkv_proj and gate_up_proj; RoPE on half of each 32-wide head (16 features: what ONNX Runtime's
     # GroupQueryAttention takes, a multiple of 16)
     "phi3": dict(num_attention_heads=2, num_key_value_heads=1, partial_rotary_factor=0.5, pad_token_id=0),
+    "granite": dict(embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=2.0),
 }
 
 

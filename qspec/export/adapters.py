@@ -99,6 +99,7 @@ ADAPTERS: dict[str, Adapter] = {
     "qwen2": Adapter("qwen2", window=_layer_window),
     "qwen3": Adapter("qwen3", qk_norm=True, window=_layer_window),
     "phi3": Adapter("phi3", fused_qkv=True, window=_config_window),
+    "granite": Adapter("granite", scales=_config_scales),
 }
 
 
