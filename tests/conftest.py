@@ -14,6 +14,7 @@ FAMILIES = (
     "qwen3",
     "phi3",
     "granite",
+    "olmo2",
 )
 VOCAB = 320  # 256 byte tokens + 3 specials fit below this
 
@@ -66,6 +67,7 @@ FAMILY_SETTINGS = {
     # GroupQueryAttention takes, a multiple of 16)
     "phi3": dict(num_attention_heads=2, num_key_value_heads=1, partial_rotary_factor=0.5, pad_token_id=0),
     "granite": dict(embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=2.0),
+    "olmo2": dict(pad_token_id=0),  # q/k norms over all heads, norms after attention and MLP
 }
 
 

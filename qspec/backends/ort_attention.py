@@ -149,7 +149,12 @@ def fuse_attention(
                 _head_norm(graph, nodes, x, prefix + name, attention, n)
                 for x, name, n in ((q, "q_norm", attention.num_heads), (k, "k_norm", attention.num_kv_heads))
             )
-        if pack_qkv and not attention.qk_norm and k is not None:
+        if attention.qk_norm_full:  # over all heads at once (OLMo 2)
+            q, k = (
+                _full_norm(nodes, x, graph.initializers[prefix + name + ".weight"], attention)
+                for x, name in ((q, "q_norm"), (k, "k_norm"))
+            )
+        if pack_qkv and not (attention.qk_norm or attention.qk_norm_full) and k is not None:
             q, k, v, heads = _packed_qkv(graph, nodes, (q, k, v), prefix), None, None, [sum(heads), 0, 0]
         if pack_tokens:  # the call's live tokens to their KV rows and slots, zero tokens up to `query` per row
             q, k, v = (
@@ -362,6 +367,20 @@ def _head_norm(graph, nodes: list, x, module: str, attention: AttentionInfo, num
     join = ir.node("Reshape", [norm.outputs[0], flat], name=f"{module}.join_heads")
     nodes.extend((split, norm, join))
     return join.outputs[0]
+
+
+def _full_norm(nodes: list, x, weight, attention: AttentionInfo):
+    """RMSNorm of ``x`` ``[batch, seq, width]`` over its whole width (all heads at once) with ``weight``."""
+    import onnx_ir as ir
+
+    norm = ir.node(
+        "SimplifiedLayerNormalization",
+        [x, weight],
+        attributes={"axis": -1, "epsilon": float(attention.qk_norm_eps), "stash_type": 1},
+        name=f"{weight.name.removesuffix('.weight')}.norm",
+    )
+    nodes.append(norm)
+    return norm.outputs[0]
 
 
 def _shared_inputs(

@@ -100,6 +100,7 @@ ADAPTERS: dict[str, Adapter] = {
     "qwen3": Adapter("qwen3", qk_norm=True, window=_layer_window),
     "phi3": Adapter("phi3", fused_qkv=True, window=_config_window),
     "granite": Adapter("granite", scales=_config_scales),
+    "olmo2": Adapter("olmo2", qk_norm_full=True, norms="post"),
 }
 
 
@@ -139,7 +140,7 @@ def attention_info(model: nn.Module):
     inv_freq, rope_scaling = adapter.rope(model.model.rotary_emb, config, 0)
     if 2 * len(inv_freq) < attn.head_dim and len(inv_freq) % 8:
         return None  # partial rotary: the op rotates a multiple of 16 features only
-    norm = getattr(attn, "q_norm", None) if adapter.qk_norm else None
+    norm = getattr(attn, "q_norm", None) if adapter.qk_norm or adapter.qk_norm_full else None
     return AttentionInfo(
         num_layers=len(layers),
         num_heads=config.num_attention_heads,
@@ -148,6 +149,7 @@ def attention_info(model: nn.Module):
         scale=float(attn.scaling),
         windows=[adapter.window(config, i, layer.self_attn) for i, layer in enumerate(layers)],
         qk_norm=adapter.qk_norm,
+        qk_norm_full=adapter.qk_norm_full,
         qk_norm_eps=float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))) if norm is not None else 1e-6,
         inv_freq=[float(f) for f in inv_freq.detach().float()],
         rope_scaling=rope_scaling,
