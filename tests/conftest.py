@@ -15,6 +15,7 @@ FAMILIES = (
     "phi3",
     "granite",
     "olmo2",
+    "gemma2",
 )
 VOCAB = 320  # 256 byte tokens + 3 specials fit below this
 
@@ -68,6 +69,14 @@ FAMILY_SETTINGS = {
     "phi3": dict(num_attention_heads=2, num_key_value_heads=1, partial_rotary_factor=0.5, pad_token_id=0),
     "granite": dict(embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=2.0),
     "olmo2": dict(pad_token_id=0),  # q/k norms over all heads, norms after attention and MLP
+    # sandwich norms, a window on layer 0, soft-capped scores and logits, its own query scale, scaled embeddings
+    "gemma2": dict(
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=6,
+        attn_logit_softcapping=5.0,
+        final_logit_softcapping=10.0,
+    ),
 }
 
 

@@ -159,9 +159,10 @@ def test_parity_prefill_decode_and_rejected_draft(exported, family, tie, graph_k
 
 
 @pytest.mark.parametrize("graph_kind", ROW_GRAPHS)
-@pytest.mark.parametrize("family", ["llama", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
 def test_decode_reaches_last_slot(exported, family, graph_kind):
-    """Decoding until the token at slot ctx_len - 1 keeps parity (mistral: window smaller than ctx)."""
+    """Decoding until the token at slot ctx_len - 1 keeps parity (mistral, gemma2: window 6 < ctx;
+    Gemma's on one layer of two)."""
     model_dir, folder, meta = exported(family)
     tokens = np.random.default_rng(2).integers(3, 259, size=CTX).tolist()
     graph = Graph(folder, meta, rows=1, graph=graph_kind)
@@ -497,9 +498,11 @@ def test_packed_qkv_attention_equals_separate_projections(exported, tmp_path, fa
     np.testing.assert_allclose(outputs[True][0], reference_logits(model_dir, [5, 9, 17, 33]), atol=TOL)
 
 
-def test_comp_ctx_lengths_bounds_the_slots_read(exported):
-    """A comp_ctx_lengths input of length 8 makes attention read slots 0..7 only: NaNs beyond are never seen."""
-    model_dir, folder, meta = exported("llama", comp_ctx_lengths=True)
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_comp_ctx_lengths_bounds_the_slots_read(exported, family):
+    """A comp_ctx_lengths input of length 8 makes attention read slots 0..7 only: NaNs beyond are never seen
+    (gemma2: a sliding window of 6 on layer 0 within the bucket, and K + 1 tokens verified in it)."""
+    model_dir, folder, meta = exported(family, comp_ctx_lengths=True)
     tokens = np.random.default_rng(9).integers(3, 259, size=10).tolist()
     ref = reference_logits(model_dir, tokens)
     graph = Graph(folder, meta, rows=1)

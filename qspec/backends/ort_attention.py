@@ -204,6 +204,7 @@ def fuse_attention(
                 "do_rotary": 1,
                 "rotary_interleaved": 0,
                 "local_window_size": attention.windows[i] if attention.windows[i] is not None else -1,
+                "softcap": float(attention.softcap),
             },
             domain=MS_DOMAIN,
             num_outputs=3,

@@ -101,6 +101,7 @@ ADAPTERS: dict[str, Adapter] = {
     "phi3": Adapter("phi3", fused_qkv=True, window=_config_window),
     "granite": Adapter("granite", scales=_config_scales),
     "olmo2": Adapter("olmo2", qk_norm_full=True, norms="post"),
+    "gemma2": Adapter("gemma2", norms="sandwich", window=_layer_window, scales=_config_scales),
 }
 
 
@@ -150,6 +151,7 @@ def attention_info(model: nn.Module):
         windows=[adapter.window(config, i, layer.self_attn) for i, layer in enumerate(layers)],
         qk_norm=adapter.qk_norm,
         qk_norm_full=adapter.qk_norm_full,
+        softcap=adapter.scales(config).attention_softcap or 0.0,
         qk_norm_eps=float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))) if norm is not None else 1e-6,
         inv_freq=[float(f) for f in inv_freq.detach().float()],
         rope_scaling=rope_scaling,
