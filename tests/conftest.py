@@ -16,6 +16,7 @@ FAMILIES = (
     "granite",
     "olmo2",
     "gemma2",
+    "gemma3_text",
 )
 VOCAB = 320  # 256 byte tokens + 3 specials fit below this
 
@@ -76,6 +77,14 @@ FAMILY_SETTINGS = {
         sliding_window=6,
         attn_logit_softcapping=5.0,
         final_logit_softcapping=10.0,
+    ),
+    # per-head q/k norms, a local layer (window, RoPE base 100) and a global one (base 1e6)
+    "gemma3_text": dict(
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=6,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_local_base_freq=100.0,
     ),
 }
 

@@ -102,6 +102,16 @@ ADAPTERS: dict[str, Adapter] = {
     "granite": Adapter("granite", scales=_config_scales),
     "olmo2": Adapter("olmo2", qk_norm_full=True, norms="post"),
     "gemma2": Adapter("gemma2", norms="sandwich", window=_layer_window, scales=_config_scales),
+    # GroupQueryAttention takes one RoPE table and plain q/k norm weights; Gemma 3 has two tables and (1 + w) norms
+    "gemma3_text": Adapter(
+        "gemma3_text",
+        qk_norm=True,
+        norms="sandwich",
+        window=_layer_window,
+        rope=_rope_by_layer_type,
+        scales=_config_scales,
+        fused_attention=False,
+    ),
 }
 
 
