@@ -68,6 +68,8 @@ class AttentionInfo(BaseModel):
     windows: list[int | None]  # sliding window of each layer (keys in [p - window + 1, p]), None: all
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (weights model.layers.{i}.self_attn.{q,k}_norm)
     qk_norm_eps: float = 1e-6
+    qk_norm_full: bool = False  # RMSNorm of q and k over all heads before the split (OLMo 2), same weight names
+    softcap: float = 0.0  # scores soft-capped to c * tanh(s / c) (Gemma 2); 0: none
     inv_freq: list[float]  # RoPE frequencies, [head_dim / 2]
     rope_scaling: float = 1.0  # multiplies cos and sin
 

@@ -7,7 +7,17 @@ from pathlib import Path
 
 import pytest
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "phi3",
+    "granite",
+    "olmo2",
+    "gemma2",
+    "gemma3_text",
+)
 VOCAB = 320  # 256 byte tokens + 3 specials fit below this
 
 
@@ -49,7 +59,34 @@ def tiny_config(family: str, *, tie: bool = True, layers: int = 2):
         common["sliding_window"] = 6  # small, so the window matters in short tests
     if family == "qwen3":
         common["head_dim"] = 16
+    common |= FAMILY_SETTINGS.get(family, {})
     return AutoConfig.for_model(family, **common)
+
+
+# What makes each family differ from Llama, at sizes where it shows in short tests.
+FAMILY_SETTINGS = {
+    # fused qkv_proj and gate_up_proj; RoPE on half of each 32-wide head (16 features: what ONNX Runtime's
+    # GroupQueryAttention takes, a multiple of 16)
+    "phi3": dict(num_attention_heads=2, num_key_value_heads=1, partial_rotary_factor=0.5, pad_token_id=0),
+    "granite": dict(embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=2.0),
+    "olmo2": dict(pad_token_id=0),  # q/k norms over all heads, norms after attention and MLP
+    # sandwich norms, a window on layer 0, soft-capped scores and logits, its own query scale, scaled embeddings
+    "gemma2": dict(
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=6,
+        attn_logit_softcapping=5.0,
+        final_logit_softcapping=10.0,
+    ),
+    # per-head q/k norms, a local layer (window, RoPE base 100) and a global one (base 1e6)
+    "gemma3_text": dict(
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=6,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_local_base_freq=100.0,
+    ),
+}
 
 
 def save_tiny_model(folder: Path, family: str, *, tie: bool = True, seed: int = 0, layers: int = 2) -> Path:

@@ -138,15 +138,23 @@ def fuse_attention(
     nodes = []
     for i in range(attention.num_layers):
         prefix = layer_prefix.format(i=i)
-        q, k, v = (producers[prefix + name] for name in ("q_proj", "k_proj", "v_proj"))
         o_proj = producers[prefix + "o_proj"].producer()  # its MatMul reads the attention output
+        heads = [attention.num_heads, attention.num_kv_heads, attention.num_kv_heads]
+        if prefix + "qkv_proj" in producers:  # a fused projection (Phi-3) is the op's packed QKV as it is
+            q, k, v, heads = producers[prefix + "qkv_proj"], None, None, [sum(heads), 0, 0]
+        else:
+            q, k, v = (producers[prefix + name] for name in ("q_proj", "k_proj", "v_proj"))
         if attention.qk_norm:  # per-head RMSNorm before RoPE (the CPU kernel has no q/k norm inputs)
             q, k = (
                 _head_norm(graph, nodes, x, prefix + name, attention, n)
                 for x, name, n in ((q, "q_norm", attention.num_heads), (k, "k_norm", attention.num_kv_heads))
             )
-        heads = [attention.num_heads, attention.num_kv_heads, attention.num_kv_heads]
-        if pack_qkv and not attention.qk_norm:
+        if attention.qk_norm_full:  # over all heads at once (OLMo 2)
+            q, k = (
+                _full_norm(nodes, x, graph.initializers[prefix + name + ".weight"], attention)
+                for x, name in ((q, "q_norm"), (k, "k_norm"))
+            )
+        if pack_qkv and not (attention.qk_norm or attention.qk_norm_full) and k is not None:
             q, k, v, heads = _packed_qkv(graph, nodes, (q, k, v), prefix), None, None, [sum(heads), 0, 0]
         if pack_tokens:  # the call's live tokens to their KV rows and slots, zero tokens up to `query` per row
             q, k, v = (
@@ -196,6 +204,7 @@ def fuse_attention(
                 "do_rotary": 1,
                 "rotary_interleaved": 0,
                 "local_window_size": attention.windows[i] if attention.windows[i] is not None else -1,
+                "softcap": float(attention.softcap),
             },
             domain=MS_DOMAIN,
             num_outputs=3,
@@ -359,6 +368,20 @@ def _head_norm(graph, nodes: list, x, module: str, attention: AttentionInfo, num
     join = ir.node("Reshape", [norm.outputs[0], flat], name=f"{module}.join_heads")
     nodes.extend((split, norm, join))
     return join.outputs[0]
+
+
+def _full_norm(nodes: list, x, weight, attention: AttentionInfo):
+    """RMSNorm of ``x`` ``[batch, seq, width]`` over its whole width (all heads at once) with ``weight``."""
+    import onnx_ir as ir
+
+    norm = ir.node(
+        "SimplifiedLayerNormalization",
+        [x, weight],
+        attributes={"axis": -1, "epsilon": float(attention.qk_norm_eps), "stash_type": 1},
+        name=f"{weight.name.removesuffix('.weight')}.norm",
+    )
+    nodes.append(norm)
+    return norm.outputs[0]
 
 
 def _shared_inputs(

@@ -13,98 +13,19 @@ buffer's or the compute context's length); a slot past a row's last position is 
 QEfficient reads it, and masked. Live tokens of one row must sit at consecutive positions (they
 always do: a prefill chunk, or ``[last_token, d_1..d_n]``).
 
-What differs between architectures lives in a small :class:`Adapter`; adding a family is adding one.
+What differs between architectures lives in a small :class:`~qspec.export.adapters.Adapter`; adding a family
+is adding one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
-from qspec.errors import UnsupportedModelError
+from qspec.export.adapters import ADAPTERS, Adapter, Scales, adapter_for, attention_info, supported_families
 from qspec.export.ctx_ops import ctx_gather, ctx_gather_cb, ctx_scatter, ctx_scatter_cb
 
-# RoPE variants whose frequencies do not depend on the sequence length, so one graph serves all.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-
-
-def _no_window(config, layer_idx: int, attn: nn.Module) -> int | None:
-    return None
-
-
-def _config_window(config, layer_idx: int, attn: nn.Module) -> int | None:
-    return getattr(config, "sliding_window", None)
-
-
-def _layer_window(config, layer_idx: int, attn: nn.Module) -> int | None:
-    return getattr(attn, "sliding_window", None)
-
-
-@dataclass(frozen=True)
-class Adapter:
-    """What one model family does differently from Llama."""
-
-    family: str
-    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
-    window: Callable[..., int | None] = _no_window  # sliding window of a layer, or None
-
-
-ADAPTERS: dict[str, Adapter] = {
-    "llama": Adapter("llama"),
-    "mistral": Adapter("mistral", window=_config_window),
-    "qwen2": Adapter("qwen2", window=_layer_window),
-    "qwen3": Adapter("qwen3", qk_norm=True, window=_layer_window),
-}
-
-
-def supported_families() -> str:
-    return ", ".join(sorted(ADAPTERS))
-
-
-def adapter_for(config) -> Adapter:
-    """The adapter of ``config``'s family, or an error naming what is supported."""
-    model_type = getattr(config, "model_type", None)
-    if model_type not in ADAPTERS:
-        archs = ", ".join(getattr(config, "architectures", None) or []) or model_type
-        raise UnsupportedModelError(
-            f"model type '{model_type}' ({archs}) is not supported; supported: {supported_families()}"
-        )
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise UnsupportedModelError(
-            f"RoPE type '{rope_type}' changes with the sequence length and cannot be compiled to static "
-            f"shapes; supported RoPE types: {', '.join(SUPPORTED_ROPE_TYPES)}"
-        )
-    return ADAPTERS[model_type]
-
-
-def attention_info(model: nn.Module):
-    """The :class:`~qspec.package.AttentionInfo` of a Hugging Face decoder: what a fused-attention
-    runtime needs beside the weights (RoPE table, heads, scale, windows, q/k norm)."""
-    from qspec.package import AttentionInfo
-
-    config = model.config
-    adapter = adapter_for(config)
-    layers = model.model.layers
-    attn = layers[0].self_attn
-    rotary = model.model.rotary_emb
-    norm = getattr(attn, "q_norm", None) if adapter.qk_norm else None
-    return AttentionInfo(
-        num_layers=len(layers),
-        num_heads=config.num_attention_heads,
-        num_kv_heads=config.num_key_value_heads,
-        head_dim=attn.head_dim,
-        scale=float(attn.scaling),
-        windows=[adapter.window(config, i, layer.self_attn) for i, layer in enumerate(layers)],
-        qk_norm=adapter.qk_norm,
-        qk_norm_eps=float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))) if norm is not None else 1e-6,
-        inv_freq=[float(f) for f in rotary.inv_freq.detach().float()],
-        rope_scaling=float(getattr(rotary, "attention_scaling", 1.0)),
-    )
+__all__ = ["ADAPTERS", "Adapter", "KVExplicitLM", "Scales", "adapter_for", "attention_info", "supported_families"]
 
 
 class InputMajorLinear(nn.Module):
@@ -150,7 +71,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
+    """RoPE on the first ``rotary_dim`` (``cos``'s last size) features of each head; the rest pass (Phi-3's
+    partial rotary)."""
+    rotary = cos.shape[-1]
+    if rotary == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    turned, kept = x[..., :rotary], x[..., rotary:]
+    return torch.cat((turned * cos + _rotate_half(turned) * sin, kept), dim=-1)
 
 
 class KVExplicitLM(nn.Module):
@@ -177,9 +104,13 @@ class KVExplicitLM(nn.Module):
         decoder = model.model
         self.layers = decoder.layers
         self.num_layers = len(decoder.layers)
-        rotary = decoder.rotary_emb
-        self.register_buffer("inv_freq", rotary.inv_freq.detach().float().clone(), persistent=False)
-        self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
+        self.scales = self.adapter.scales(model.config)
+        # Distinct RoPE tables (one, or Gemma 3's local and global); layer i rotates with table rope_of[i].
+        ropes = [self.adapter.rope(decoder.rotary_emb, model.config, i) for i in range(len(decoder.layers))]
+        tables = list(dict.fromkeys((tuple(f.detach().float().tolist()), scale) for f, scale in ropes))
+        self.rope_of = [tables.index((tuple(f.detach().float().tolist()), scale)) for f, scale in ropes]
+        self.register_buffer("inv_freq", torch.tensor([t[0] for t in tables]), persistent=False)  # [tables, d/2]
+        self.register_buffer("rope_scales", torch.tensor([[t[1]] for t in tables]), persistent=False)
         attn = decoder.layers[0].self_attn
         self.head_dim = attn.head_dim
         self.num_heads = model.config.num_attention_heads
@@ -212,6 +143,8 @@ class KVExplicitLM(nn.Module):
         query_pos = torch.where(valid, position_ids, torch.zeros_like(position_ids))
         cos, sin = self._rope_tables(query_pos)  # [batch, 1, seq, head_dim]
         hidden = self.model.model.embed_tokens(input_ids)  # [batch, seq, hidden]
+        if self.scales.embedding is not None:
+            hidden = hidden * self.scales.embedding
         return hidden, cos, sin, query_pos, _write_anchor(position_ids, valid, steps), valid
 
     def layer_step(
@@ -246,11 +179,35 @@ class KVExplicitLM(nn.Module):
         )  # [b, 1, 1, seq, read]
         kv = (past_key, past_value)
         reads = _read_slots(query_pos, read)
-        x = layer.input_layernorm(hidden) if attn_input is None else attn_input
+        cos, sin = self._layer_rope(i, cos, sin)
+        norms = self.adapter.norms
+        if attn_input is not None:
+            x = attn_input
+        else:
+            x = hidden if norms == "post" else layer.input_layernorm(hidden)
         attn_out, (keys, values) = self._attention(layer, x, cos, sin, mask, kv, slots, valid, batch_index, reads)
-        hidden = hidden + attn_out
-        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        return hidden, keys, values
+        if norms != "pre":
+            attn_out = layer.post_attention_layernorm(attn_out)
+        hidden = hidden + self._residual(attn_out)
+        mlp = layer.mlp
+        if norms == "pre":
+            mlp_out = mlp(layer.post_attention_layernorm(hidden))
+        elif norms == "post":
+            mlp_out = layer.post_feedforward_layernorm(mlp(hidden))
+        else:
+            mlp_out = layer.post_feedforward_layernorm(mlp(layer.pre_feedforward_layernorm(hidden)))
+        return hidden + self._residual(mlp_out), keys, values
+
+    def _residual(self, x):
+        return x if self.scales.residual is None else x * self.scales.residual
+
+    def _layer_rope(self, i: int, cos, sin):
+        """Layer ``i``'s RoPE rows out of the prologue's tables, side by side on the last axis."""
+        if self.inv_freq.shape[0] == 1:
+            return cos, sin
+        width = 2 * self.inv_freq.shape[1]
+        at = self.rope_of[i] * width
+        return cos[..., at : at + width], sin[..., at : at + width]
 
     def epilogue(self, hidden, valid, num_logits_to_keep):
         """Logits of the last ``num_logits_to_keep`` real tokens of each (right-padded) row, and with
@@ -265,28 +222,34 @@ class KVExplicitLM(nn.Module):
         keep = (last - (num_logits - 1) + torch.arange(num_logits, dtype=torch.int64)).clamp(min=0)
         picked = hidden.gather(1, keep.unsqueeze(-1).expand(batch, num_logits, width))
         logits = self.model.lm_head(self.model.model.norm(picked)).float()  # [batch, keep, vocab]
+        if self.scales.logits_divisor is not None:
+            logits = logits / self.scales.logits_divisor
+        if self.scales.final_softcap is not None:
+            logits = _softcap(logits, self.scales.final_softcap)
         if not self.hidden_states:
             return logits
         return logits, self.model.model.norm(hidden).float()  # [batch, seq, hidden]
 
     def layer_signature(self, i: int) -> tuple:
         """Layers with equal signatures trace to the same graph (only their weights differ)."""
-        return (self.windows[i],)
+        return (self.windows[i], self.rope_of[i])
 
     def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.unsqueeze(-1).float() * self.inv_freq  # [batch, seq, head_dim / 2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.rope_scaling).unsqueeze(1)
-        sin = (emb.sin() * self.rope_scaling).unsqueeze(1)
+        """``cos``, ``sin`` ``[batch, 1, seq, tables * rotary_dim]``: every RoPE table, side by side."""
+        freqs = positions[..., None, None].float() * self.inv_freq  # [batch, seq, tables, rotary_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [batch, seq, tables, rotary_dim]
+        cos = (emb.cos() * self.rope_scales).flatten(-2).unsqueeze(1)
+        sin = (emb.sin() * self.rope_scales).flatten(-2).unsqueeze(1)
         return cos, sin
 
     def _attention(self, layer, x, cos, sin, mask, kv, slots, valid, batch_index, reads):
         attn = layer.self_attn
         batch, seq, _ = x.shape
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
-        q = attn.q_proj(x).view(batch, seq, heads, dim)
-        k = attn.k_proj(x).view(batch, seq, kv_heads, dim)
-        v = attn.v_proj(x).view(batch, seq, kv_heads, dim)
+        q, k, v = self._projections(attn, x)
+        if self.adapter.qk_norm_full:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k, v = q.view(batch, seq, heads, dim), k.view(batch, seq, kv_heads, dim), v.view(batch, seq, kv_heads, dim)
         if self.adapter.qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)
         q = _rope(q.transpose(1, 2), cos, sin)  # [batch, heads, seq, dim]
@@ -299,11 +262,25 @@ class KVExplicitLM(nn.Module):
         groups = heads // kv_heads
         q = q.reshape(batch, kv_heads, groups, seq, dim)
         scores = torch.matmul(q, keys.unsqueeze(2).transpose(-1, -2).to(q.dtype)) * attn.scaling
+        if self.scales.attention_softcap is not None:
+            scores = _softcap(scores, self.scales.attention_softcap)
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)  # [batch, kv, groups, seq, ctx]
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
         out = torch.matmul(probs, values.unsqueeze(2).to(q.dtype))  # [batch, kv, groups, seq, dim]
         out = out.reshape(batch, heads, seq, dim).transpose(1, 2).reshape(batch, seq, heads * dim)
         return attn.o_proj(out), (new_keys, new_values)
+
+    def _projections(self, attn, x):
+        """q, k, v ``[batch, seq, heads * head_dim]`` from three projections or one fused ``qkv_proj``."""
+        if not self.adapter.fused_qkv:
+            return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return attn.qkv_proj(x).split([width, kv_width, kv_width], dim=-1)
+
+
+def _softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """``cap * tanh(x / cap)`` (Gemma 2's soft-capping)."""
+    return torch.tanh(x / cap) * cap
 
 
 def _write_anchor(position_ids, valid, steps):

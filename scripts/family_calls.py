@@ -1,0 +1,153 @@
+"""Per model family: nodes of the ort backend's fp32 runtime graph, fused and unfused, and a one-token call's time.
+
+    nice -n 10 python scripts/family_calls.py [--families phi3,gemma2] [--layers 8] [--hidden 256] [--calls 200]
+
+Each family is a random model of transformers' own class (no download) at ``--hidden`` width and ``--layers``
+layers, the family's own settings from ``tests/conftest.py``. Its export is turned into two runtime graphs:
+**unfused** (RMSNorm fusions only, attention as exported) and **fused** (attention as ONNX Runtime's
+``GroupQueryAttention`` where the family admits it: the ort backend's graph). A one-token decode call at
+position ``ctx - 8`` of a ``--ctx`` buffer is timed on each, interleaved, one thread; medians are printed as a
+markdown table (nodes, ms per call, unfused/fused).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_FAMILIES = "llama,phi3,granite,olmo2,gemma2,gemma3_text"
+
+
+def build_model(family: str, folder: Path, *, layers: int, hidden: int) -> Path:
+    """A random ``family`` model (the tests' settings) at ``hidden`` width: heads of 32, 2 query heads per KV head."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    sys.path.insert(0, str(ROOT))
+    from tests.conftest import FAMILY_SETTINGS, VOCAB, byte_tokenizer
+
+    heads = hidden // 32
+    settings = dict(FAMILY_SETTINGS.get(family, {}))
+    settings |= dict(num_attention_heads=heads, num_key_value_heads=heads // 2)
+    if "head_dim" in settings:
+        settings["head_dim"] = 32
+    config = AutoConfig.for_model(
+        family,
+        **{
+            **dict(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers),
+            **dict(max_position_embeddings=4096, bos_token_id=1, eos_token_id=2),
+            **settings,
+        },
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    return folder
+
+
+class Call:
+    """One-token decode calls on one graph, KV bound in place as the runtime binds it."""
+
+    def __init__(self, path: Path, info, ctx: int, slack: int):
+        import numpy as np
+        import onnxruntime as ort
+
+        from qspec import contract
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = 1
+        self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        shape = (1, info.num_kv_heads, ctx + slack, info.head_dim)
+        self.kv = {
+            name: ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32))
+            for name in contract.kv_names(info.num_layers)
+        }
+        self.position = ctx - 8
+        self.names = {value.name for value in self.session.get_inputs()}
+
+    def __call__(self) -> float:
+        import numpy as np
+
+        from qspec import contract
+        from qspec.backends import ort_plan
+
+        positions = np.array([[self.position]], np.int64)
+        feeds = {contract.INPUT_IDS: np.array([[7]], np.int64), contract.POSITION_IDS: positions}
+        feeds[contract.NUM_LOGITS_TO_KEEP] = np.zeros((1, 1), np.int64)
+        feeds |= ort_plan.feeds(positions, 1, self.names)
+        binding = self.session.io_binding()
+        for name, value in feeds.items():
+            if name in self.names:
+                binding.bind_cpu_input(name, value)
+        for name, value in self.kv.items():
+            binding.bind_ortvalue_input(name, value)
+            binding.bind_ortvalue_output(contract.retained(name), value)
+        binding.bind_output(contract.LOGITS)
+        begin = time.perf_counter()
+        self.session.run_with_iobinding(binding)
+        return time.perf_counter() - begin
+
+
+def measure(family: str, work: Path, args) -> dict:
+    import onnx
+
+    from qspec.backends.ort_optimize import cached_runtime_graph
+    from qspec.export import ExportOptions, export_model
+
+    model = build_model(family, work / family, layers=args.layers, hidden=args.hidden)
+    folder, meta = export_model(model, ExportOptions())
+    attention = meta.model.attention
+    graphs = {}
+    for kind, info in (("unfused", None), ("fused", attention)):
+        if kind == "fused" and info is None:
+            continue
+        graph_dir, runtime = cached_runtime_graph(folder, meta.key, "fp32", attention=info, positions=args.ctx + 16)
+        vendor_data = graph_dir / "model.onnx.data"  # the fp32 graph reads the export's weights beside it
+        if vendor_data.name in (runtime.vendor_data_file, runtime.data_file) and not vendor_data.exists():
+            os.link(folder / "model.onnx.data", vendor_data)
+        nodes = len(onnx.load(str(graph_dir / runtime.file), load_external_data=False).graph.node)
+        graphs[kind] = (nodes, Call(graph_dir / runtime.file, meta.model, args.ctx, runtime.kv_slack(1)))
+    times = {kind: [] for kind in graphs}
+    for _ in range(args.calls):
+        for kind, (_, call) in graphs.items():
+            times[kind].append(call())
+    row = {"family": family, "gqa": attention is not None}
+    for kind, (nodes, _) in graphs.items():
+        row[f"{kind}_nodes"] = nodes
+        row[f"{kind}_ms"] = statistics.median(times[kind]) * 1e3
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--families", default=DEFAULT_FAMILIES)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--ctx", type=int, default=512)
+    parser.add_argument("--calls", type=int, default=200)
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ.setdefault("QSPEC_CACHE_DIR", str(Path(tmp) / "cache"))
+        rows = [measure(family, Path(tmp), args) for family in args.families.split(",")]
+    print(f"layers {args.layers}, hidden {args.hidden}, ctx {args.ctx}, fp32, 1 thread, median of {args.calls} calls\n")
+    print("| family | GQA | nodes unfused | nodes fused | ms unfused | ms fused | unfused / fused |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        fused = (r.get("fused_nodes", "-"), f"{r['fused_ms']:.3f}" if "fused_ms" in r else "-")
+        ratio = f"{r['unfused_ms'] / r['fused_ms']:.2f}x" if "fused_ms" in r else "-"
+        yes = "yes" if r["gqa"] else "no"
+        print(
+            f"| {r['family']} | {yes} | {r['unfused_nodes']} | {fused[0]} | "
+            f"{r['unfused_ms']:.3f} | {fused[1]} | {ratio} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""The families beyond Llama end to end, each on a tiny random model of transformers' own class: greedy
+`none`, `pld` and a random EAGLE head equal transformers, the int8/int4 runtime graphs keep speculative
+greedy output with the fusions the family admits, and `--backend qaic` writes its files.
+
+Export parity on the contract's scenarios runs in tests/test_export.py (its FAMILIES include these)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from qspec.compile import CompileOptions, compile_package
+from qspec.specializations import make_config
+from tests.test_runtime import PROMPTS, run
+
+torch = pytest.importorskip("torch")
+
+FAMILIES = ("phi3", "granite", "olmo2", "gemma2", "gemma3_text")
+FAKE_COMPILER = Path(__file__).parent / "fake_qaic" / "qaic-compile"
+NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def built(tiny_model, tmp_path_factory):
+    """Factory: ``built(family)`` -> (model folder, {fp32, int8, int4, qaic: package}), all with one random
+    EAGLE head and K in [0, 4] over one export; cached per family."""
+    cache = {}
+
+    def make(family: str):
+        if family not in cache:
+            cache[family] = _build(tiny_model(family), tmp_path_factory.mktemp(family))
+        return cache[family]
+
+    return make
+
+
+def _build(model_dir: Path, root: Path):
+    from transformers import AutoModelForCausalLM
+
+    from qspec.heads import modules
+    from tests.test_heads_modules import randomize
+
+    target = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    modules.save_eagle(randomize(modules.eagle_from_target(target)), root / "head")
+    spec = make_config(num_speculative_tokens="0,4", prefill_seq_len=8, ctx_len=64)
+    packages = {}
+    for name, fmt in (("fp32", "fp32"), ("int8", "int8"), ("int4", "int4")):
+        options = CompileOptions(specialization=spec, weight_format=fmt, draft_head=str(root / "head"))
+        packages[name] = compile_package(model_dir, options, output=root / name)[0]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("QAIC_COMPILE", str(FAKE_COMPILER))
+        options = CompileOptions.create(specialization=spec, backend="qaic", draft_head=str(root / "head"))
+        packages["qaic"] = compile_package(model_dir, options, output=root / "qaic")[0]
+    return model_dir, packages
+
+
+def transformers_greedy(model_dir: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        out = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        outs.append(out[0, len(prompt) :].tolist())
+    return outs
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_none_pld_and_eagle_equal_transformers(built, family):
+    """fp32: `none` equals transformers' greedy generate; `pld` and a random EAGLE head (every draft verified)
+    equal `none`, token for token."""
+    model_dir, packages = built(family)
+    plain, _ = run(packages["fp32"], PROMPTS, n=NEW_TOKENS, method="none")
+    assert plain == transformers_greedy(model_dir, PROMPTS, NEW_TOKENS)
+    for method in ("pld", "eagle"):
+        spec, engine = run(packages["fp32"], PROMPTS, n=NEW_TOKENS, method=method, dispatch="cover")
+        assert spec == plain, method
+        assert engine.last_metrics.proposed > 0, method
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_quantized_runtime_graph_keeps_greedy_output(built, family, fmt):
+    """int8/int4: every MatMul weight is MatMulNBits, attention is fused where the family admits it, and `pld`
+    and the EAGLE head give `none`'s tokens of the same package."""
+    from qspec.package import read_manifest
+
+    _, packages = built(family)
+    manifest = read_manifest(packages[fmt])
+    graph = manifest.runtime_graph
+    assert graph.quantized_matmuls > 0 and graph.weight_format == fmt
+    fused = graph.fusions.get("group_query_attention", 0)
+    assert fused == (manifest.model.num_layers if manifest.model.attention is not None else 0)
+    plain, _ = run(packages[fmt], PROMPTS, n=NEW_TOKENS, method="none")
+    for method in ("pld", "eagle"):
+        assert run(packages[fmt], PROMPTS, n=NEW_TOKENS, method=method, dispatch="cover")[0] == plain, method
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_qaic_backend_writes_its_files(built, family):
+    """--backend qaic through the stand-in compiler: custom IO for every layer's KV, the QPC, the head's program."""
+    from qspec.package import read_manifest
+
+    _, packages = built(family)
+    package = packages["qaic"]
+    manifest = read_manifest(package)
+    assert manifest.qaic is not None and manifest.qaic.ran
+    custom_io = (package / "custom_io.yaml").read_text()
+    for i in range(manifest.model.num_layers):
+        assert f"IOName: past_key.{i}\n" in custom_io and f"IOName: past_value.{i}_RetainedState\n" in custom_io
+    assert (package / "head" / "qpc" / "programqpc.bin").is_file()
