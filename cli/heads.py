@@ -78,6 +78,7 @@ def train_head(
                     magpie=magpie,
                     prompts=prompts,
                     instructions=instructions,
+                    dialogues=dialogues,
                     max_new_tokens=max_new_tokens,
                     taps=tuple(int(t) for t in taps.split(",")) if taps else None,
                     seed=seed,

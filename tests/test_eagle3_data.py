@@ -135,6 +135,7 @@ def test_training_resumes_to_the_same_head(tiny_model, tmp_path):
     with pytest.raises(Stop):
         eagle3_train.train(factory, data, tmp_path / "b", options_b, progress=stop_at_batch_3)
     resumed, log_b = eagle3_train.train(factory, data, tmp_path / "b", options_b)
-    assert log_b["curve"][0]["batches"] == 0 and log_b["tokens"] == log["tokens"]
+    assert log_b["curve"][0]["batches"] == 3 and log_b["curve"][-1]["batches"] == log["curve"][-1]["batches"]
+    assert log_b["tokens"] == log["tokens"]
     for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
         assert torch.allclose(a, b, atol=1e-6), name

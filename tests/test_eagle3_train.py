@@ -168,3 +168,19 @@ def test_head_config_from_a_target(tiny_model):
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 3
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 3, 3]
     assert torch.equal(head.lm_head.weight, target.get_output_embeddings().weight[[1, 2, 5]])
+
+
+def test_lens_init_drafts_the_targets_logit_lens_at_the_last_tap(tiny_model):
+    """Untrained, a lens-initialised head's first step is lm_head(norm(tap 2)) over the draft vocabulary."""
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_model("llama", layers=6)).eval()
+    draft_ids = torch.tensor([3, 7, 11, 40, 41])
+    head = eagle3_model.head_from_target(target, draft_ids, (1, 2, 4), init="lens")
+    ids = torch.randint(0, 300, (1, 7))
+    with torch.no_grad():
+        out = target(ids, output_hidden_states=True)
+        taps = torch.stack([out.hidden_states[t] for t in (1, 2, 4)], 2)
+        logits = head.unroll(ids, taps, 1)[0]
+        lens = target.lm_head(target.model.norm(out.hidden_states[4]))[..., draft_ids]
+    assert torch.allclose(logits, lens, atol=1e-4)

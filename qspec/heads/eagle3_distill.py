@@ -36,10 +36,11 @@ class Eagle3DataOptions(FrozenModel):
     magpie: int = Field(default=1200, ge=0)  # requests the target writes itself, then answers
     prompts: int = Field(default=400, ge=0)  # chit-chat dialogue prompts (chitchat-dataset)
     instructions: int = Field(default=400, ge=0)  # instructions of eight kinds (qspec.heads.prompts)
+    dialogues: int = Field(default=0, ge=0)  # chit-chat dialogues teacher-forced (no generation: one forward)
     max_new_tokens: int = Field(default=160, ge=1)
     batch: int = Field(default=16, ge=1)  # prompts per generate call
     taps: tuple[int, int, int] | None = None  # default (2, L // 2, L - 3)
-    eval_mt_bench: bool = True  # answer MT-bench's first turns into eval/ to measure (never trained on)
+    eval_mt_bench: int = Field(default=16, ge=0, le=80)  # MT-bench first turns answered into eval/ (never trained)
     seed: int = 0
 
 
@@ -115,7 +116,8 @@ def data_phases(model, tokenizer, work: Path, options: Eagle3DataOptions, say: P
         (work / "eval").mkdir(exist_ok=True)
         with _timed(times, "eval"):
             path = work / "eval" / "answers-mtbench.jsonl"
-            records = write_answers(model, tokenizer, mt_bench_first_turns(), path, screen=False, **answer)
+            chats = mt_bench_first_turns()[:: 80 // options.eval_mt_bench][: options.eval_mt_bench]
+            records = write_answers(model, tokenizer, chats, path, screen=False, **answer)
             shards["mtbench"] = write_teacher_shards(model, records, work / "eval", "teacher-mtbench", taps=taps)
     if options.magpie:
         with _timed(times, "requests"):
@@ -131,8 +133,32 @@ def data_phases(model, tokenizer, work: Path, options: Eagle3DataOptions, say: P
         with _timed(times, "teacher"):
             shards["train"] += write_teacher_shards(model, records, work, f"teacher-{name}", taps=taps, progress=say)
         times_path.write_text(json.dumps(times, indent=2) + "\n")
+    if options.dialogues:
+        with _timed(times, "teacher"):
+            records = dialogue_records(options.dialogues, tokenizer, skip=options.seed * options.dialogues)
+            shards["train"] += write_teacher_shards(model, records, work, "teacher-dialogues", taps=taps, progress=say)
     times_path.write_text(json.dumps(times, indent=2) + "\n")
     return shards | {"times": times, "taps": taps}
+
+
+def dialogue_records(count: int, tokenizer, *, max_tokens: int = 512, skip: int = 0) -> list[dict]:
+    """``count`` chit-chat dialogues (speakers as user and assistant) through the chat template, to teacher-force:
+    the first user turn is the prompt, the rest the answer (its labels are the target's own greedy tokens).
+    Dialogues ``skip ..`` in the corpus's order; MT-bench-quoting ones are dropped."""
+    from qspec.heads.data import _turns, chitchat_dialogues
+    from qspec.heads.magpie import mt_bench_guard, screen_prompts
+
+    guard, records = mt_bench_guard(), []
+    for dialogue in list(chitchat_dialogues().values())[skip : skip + count]:
+        turns = [t for t in _turns(dialogue) if t]
+        messages = [{"role": "user" if j % 2 == 0 else "assistant", "content": t} for j, t in enumerate(turns)]
+        if len(messages) < 2 or not screen_prompts([messages], guard):
+            continue
+        prompt = tokenizer.encode(tokenizer.render_chat(messages[:1]), add_special_tokens=False)
+        whole = tokenizer.encode(tokenizer.render_chat(messages, add_generation_prompt=False), add_special_tokens=False)
+        if whole[: len(prompt)] == prompt:
+            records.append({"prompt_ids": prompt, "answer_ids": whole[len(prompt) : max_tokens]})
+    return records
 
 
 def mt_bench_first_turns() -> list[list[dict]]:
@@ -177,7 +203,7 @@ def distill_eagle3(
         evals["mt_bench"] = (mt_bench, list(range(len(mt_bench["starts"]) - 1)))
     (work_dir / "train").mkdir(exist_ok=True)
     head, log = eagle3_train.train(
-        lambda ids: eagle3_model.head_from_target(target, torch.from_numpy(ids), shards["taps"]),
+        lambda ids: eagle3_model.head_from_target(target, torch.from_numpy(ids), shards["taps"], init=train.init),
         train_data,
         work_dir / "train",
         train,

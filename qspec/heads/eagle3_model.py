@@ -206,14 +206,24 @@ def head_config(target_config, draft_vocab_size: int, taps: tuple[int, ...]) -> 
     }
 
 
-def head_from_target(target_model, draft_ids: torch.Tensor, taps: tuple[int, ...]) -> Eagle3Head:
+def head_from_target(target_model, draft_ids: torch.Tensor, taps: tuple[int, ...], *, init: str = "lens") -> Eagle3Head:
     """A fresh head for ``target_model``: its frozen embedding; ``lm_head`` starts from the target's LM-head
-    rows of the draft vocabulary (the rest random, as SpecForge initialises)."""
+    rows of the draft vocabulary. ``init="lens"`` starts as the target's logit lens at the last tap: ``fc``
+    picks tap 2, the midlayer's output projections are zero (so ``prenorm`` is that tap) and ``norm`` is the
+    target's final norm, so the untrained head already drafts ``argmax(lm_head(norm(h_{L-3})))``;
+    ``init="random"`` is SpecForge's (random ``fc`` and midlayer)."""
     config = head_config(target_model.config, len(draft_ids), taps)
     head = Eagle3Head(config, target_model.get_input_embeddings().weight, draft_ids)
+    hidden = config["hidden_size"]
     with torch.no_grad():
         head.lm_head.weight.copy_(target_model.get_output_embeddings().weight[draft_ids].float())
-        nn.init.normal_(head.fc.weight, std=1.0 / math.sqrt(3 * config["hidden_size"]))
+        nn.init.normal_(head.fc.weight, std=1.0 / math.sqrt(3 * hidden))
+        if init == "lens":
+            head.fc.weight.zero_()
+            head.fc.weight[:, 2 * hidden :] = torch.eye(hidden)
+            head.midlayer.self_attn.o_proj.weight.zero_()
+            head.midlayer.mlp.down_proj.weight.zero_()
+            head.norm.weight.copy_(target_model.model.norm.weight.float())
     return head
 
 

@@ -21,6 +21,7 @@ import math
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 from pydantic import Field
@@ -40,12 +41,13 @@ class Eagle3Options(FrozenModel):
     draft_vocab: int = Field(default=8192, ge=16)
     epochs: int = Field(default=2, ge=1)
     lr: float = Field(default=1e-3, gt=0)
-    batch_tokens: int = Field(default=4096, ge=16)  # tokens of padded sequences per batch
-    max_tokens: int = Field(default=640, ge=8)  # sequences cut to this many tokens
-    held_out: int = Field(default=48, ge=0)  # records kept out for the learning curve
-    eval_every: int = Field(default=0, ge=0)  # batches between learning-curve points (0: per epoch)
+    batch_tokens: int = Field(default=1024, ge=16)  # tokens of padded sequences per batch
+    max_tokens: int = Field(default=512, ge=8)  # sequences cut to this many tokens
+    held_out: int = Field(default=32, ge=0)  # records kept out for the learning curve
+    eval_every: int = Field(default=12, ge=0)  # batches between learning-curve points (0: per epoch)
     save_every: int = Field(default=50, ge=1)
     eval_depth: int = Field(default=3, ge=1)
+    init: Literal["lens", "random"] = "lens"  # see qspec.heads.eagle3_model.head_from_target
     seed: int = 0
 
 
@@ -152,10 +154,18 @@ def batches(data: dict, indices: list[int], batch_tokens: int, max_tokens: int, 
     return [out[k] for k in rng.permutation(len(out))]
 
 
+def generated(data: dict, i: int) -> bool:
+    """Whether record ``i``'s answer is the target's own greedy text (not teacher-forced human text)."""
+    r = record(data, i)
+    a = r["answer"]
+    return len(r["tokens"]) - a > 4 and float(np.mean(r["tokens"][a + 1 :] == r["labels"][a:-1])) > 0.9
+
+
 def split(data: dict, held_out: int, seed: int) -> tuple[list[int], list[int]]:
-    """(train, held-out) record indices; held-out records have an answer."""
+    """(train, held-out) record indices; held-out records are answers the target generated, so a chain of
+    drafts is checked against its greedy continuation."""
     count = record_count(data)
-    answered = [i for i in range(count) if data["answer_starts"][i] < data["starts"][i + 1] - 4]
+    answered = [i for i in range(count) if generated(data, i)]
     held = set(np.random.default_rng(seed).permutation(answered)[:held_out].tolist())
     return [i for i in range(count) if i not in held], sorted(held)
 
@@ -231,8 +241,6 @@ def train(
         )
         state_path.with_suffix(".tmp").rename(state_path)
 
-    if done == 0 and not log["curve"]:
-        measure()
     flat = [b for epoch in plan for b in epoch]
     every = options.eval_every or len(plan[0])
     head.train()

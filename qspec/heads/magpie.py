@@ -105,7 +105,7 @@ def write_requests(
     *,
     stop_ids: list[int],
     batch: int = 32,
-    max_tokens: int = 80,
+    max_tokens: int = 64,
     temperature: float = 1.0,
     top_p: float = 0.95,
     seed: int = 0,
