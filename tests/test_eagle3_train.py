@@ -184,3 +184,25 @@ def test_lens_init_drafts_the_targets_logit_lens_at_the_last_tap(tiny_model):
         logits = head.unroll(ids, taps, 1)[0]
         lens = target.lm_head(target.model.norm(out.hidden_states[4]))[..., draft_ids]
     assert torch.allclose(logits, lens, atol=1e-4)
+
+
+def test_saved_head_loads_in_qspecs_eagle3_kind_and_drafts_the_same(tiny_model, tmp_path):
+    """qspec's EAGLE-3 loader (the runtime's) reads a trained head and computes the same first step (<= 1e-4)."""
+    from transformers import AutoModelForCausalLM
+
+    from qspec.heads.eagle3 import load_eagle3
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_model("llama", layers=6)).eval()
+    head = eagle3_model.head_from_target(target, torch.tensor([3, 7, 11, 40, 41]), (1, 2, 4), init="random")
+    with torch.no_grad():
+        for p in head.trainable_parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    eagle3_model.save_head(head, tmp_path, dtype=torch.float32)
+    loaded = load_eagle3(tmp_path, target)
+    assert loaded.layer_ids(6) == (1, 2, 4)
+    ids, taps = torch.randint(0, 300, (1, 6)), torch.randn(1, 6, 3, 64)
+    with torch.no_grad():
+        mine = head.unroll(ids, taps, 1)[0]
+        feature = loaded.combine([taps[:, :, i] for i in range(3)])
+        theirs = loaded.logits(loaded(ids, feature, torch.arange(6)[None]))
+    assert torch.allclose(mine, theirs, atol=1e-4)
