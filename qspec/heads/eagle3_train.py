@@ -47,7 +47,7 @@ class Eagle3Options(FrozenModel):
     eval_every: int = Field(default=12, ge=0)  # batches between learning-curve points (0: per epoch)
     save_every: int = Field(default=50, ge=1)
     eval_depth: int = Field(default=3, ge=1)
-    init: Literal["lens", "random"] = "lens"  # see qspec.heads.eagle3_model.head_from_target
+    init: Literal["lens", "random"] = "random"  # see qspec.heads.eagle3_model.head_from_target
     seed: int = 0
 
 
