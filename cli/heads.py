@@ -16,7 +16,8 @@ def train_head(
     ],
     output: Annotated[Path, typer.Option("--output", "-o", help="Folder for the head (EAGLE-1 or Medusa layout).")],
     method: Annotated[
-        str, typer.Option(help="eagle (one decoder layer, chained) or medusa (parallel heads).")
+        str,
+        typer.Option(help="eagle (one decoder layer, chained), eagle3 (three taps, training-time test) or medusa."),
     ] = "eagle",
     data: Annotated[
         Optional[Path],
@@ -41,7 +42,13 @@ def train_head(
     lr: Annotated[float, typer.Option(help="Peak learning rate (AdamW, warm-up then cosine).")] = 1e-3,
     seed: Annotated[int, typer.Option(help="Seed of prompts, split, order and initialisation.")] = 0,
     target: Annotated[
-        Optional[str], typer.Option(help="The model the package was compiled from (default: the manifest's source).")
+        Optional[str],
+        typer.Option("--target", "--model", help="The model the package was compiled from (default: its manifest's)."),
+    ] = None,
+    magpie: Annotated[int, typer.Option(help="eagle3: requests the model writes itself (Magpie), answered.")] = 1200,
+    ttt_steps: Annotated[int, typer.Option(help="eagle3: unroll steps of the training-time test.")] = 4,
+    taps: Annotated[
+        Optional[str], typer.Option(help="eagle3: three layer ids, e.g. 2,15,27 (default 2,L/2,L-3).")
     ] = None,
     work_dir: Annotated[
         Optional[Path], typer.Option(help="Answers and features (resumable); default OUTPUT/../.OUTPUT-work.")
@@ -57,6 +64,27 @@ def train_head(
     """
 
     with cli_errors():
+        if method == "eagle3":
+            from qspec_cli.heads3 import train_eagle3
+
+            return train_eagle3(
+                package,
+                output,
+                work_dir,
+                target,
+                threads,
+                as_json,
+                data=dict(
+                    magpie=magpie,
+                    prompts=prompts,
+                    instructions=instructions,
+                    dialogues=dialogues,
+                    max_new_tokens=max_new_tokens,
+                    taps=tuple(int(t) for t in taps.split(",")) if taps else None,
+                    seed=seed,
+                ),
+                train=dict(steps=ttt_steps, draft_vocab=draft_vocab, epochs=epochs, lr=lr, seed=seed),
+            )
         from qspec.heads.distill import DistillOptions, distill_head
         from qspec.heads.train import TrainOptions
 
