@@ -15,6 +15,7 @@ from qspec.runtime.dispatch import (
     pick_k_by_cost,
 )
 from qspec.runtime.proposal import Proposal
+from qspec.runtime.proposers import PromptLookupProposer
 
 COSTS = {0: 40.0, 4: 80.0}
 PROMPTS = [[5, 6, 7, 8] * 3, [9, 10, 11] * 4, [20, 21] * 5, [30, 31, 32, 33, 34] * 2]
@@ -404,3 +405,31 @@ def test_drafting_that_cannot_pay_is_turned_off_and_output_stays_none(four_slots
     assert [out.token_ids for out in engine.generate(PROMPTS, params)] == plain
     steps = engine.last_metrics.calls["0"] + engine.last_metrics.calls["4"]
     assert engine.last_metrics.proposed <= 4 * 4 * (steps // GATE_PAUSE + 1)
+
+
+class SurvivalLookup(PromptLookupProposer):
+    """Prompt lookup whose drafts carry a falling survival, as a head's do: cost dispatch prices them by it."""
+
+    def proposal(self, request_id, k: int) -> Proposal:
+        base = super().proposal(request_id, k)
+        return Proposal(base.tokens, survival=0.8 ** np.arange(1, len(base) + 1)) if len(base) else base
+
+
+@pytest.mark.parametrize("weight_format", ["fp32", "int4"])
+def test_rows_priced_by_survival_give_none_at_one_and_four_slots(tiny_model, tmp_path_factory, weight_format):
+    """Drafts with a survival, cost dispatch (each row its own depth, one budget, the gate) at 4 slots and at 1,
+    fp32 and int4: the output is `none`'s, and drafts were verified (the calibration saw them)."""
+    from qspec.compile import CompileOptions, compile_package
+    from qspec.runtime import Engine, SamplingParams
+    from qspec.specializations import make_config
+
+    config = make_config(num_speculative_tokens="0,1,4", prefill_seq_len=8, ctx_len=64, full_batch_size=4)
+    folder = tmp_path_factory.mktemp(f"survival-{weight_format}") / "pkg"
+    options = CompileOptions(specialization=config, weight_format=weight_format)
+    package = compile_package(tiny_model("llama"), options, output=folder)[0]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    plain = greedy_none(package, params)
+    for slots in (4, 1):
+        engine = Engine(package, method="pld", proposer=SurvivalLookup(), max_batch_size=slots)
+        assert [out.token_ids for out in engine.generate(PROMPTS, params)] == plain, slots
+        assert engine.dispatcher.survival.tried.sum() > 0, slots  # drafts were verified, priced by their survival
