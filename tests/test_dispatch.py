@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from qspec.runtime.acceptance import GATE_PAUSE, DraftGate, SurvivalStats
 from qspec.runtime.dispatch import (
     EXPLORE_EVERY,
     AcceptanceStats,
@@ -14,6 +15,7 @@ from qspec.runtime.dispatch import (
     pick_k_by_cost,
 )
 from qspec.runtime.proposal import Proposal
+from qspec.runtime.proposers import PromptLookupProposer
 
 COSTS = {0: 40.0, 4: 80.0}
 PROMPTS = [[5, 6, 7, 8] * 3, [9, 10, 11] * 4, [20, 21] * 5, [30, 31, 32, 33, 34] * 2]
@@ -316,16 +318,118 @@ def test_a_heads_sure_drafts_are_verified_and_its_guesses_dropped():
 
 
 def test_a_head_asks_how_deep_its_chain_would_be_verified():
-    """``useful_depth``: what a cost step would verify of a row's drafts of one class alone. A class whose
-    second drafts fail stops at one draft (the head then makes no chained call for a second); a class whose
-    drafts pass goes as deep as the cap; a covering step (a sampled row under ``auto``) takes them all."""
+    """``useful_depth``: what a cost step would verify of a row's drafts alone. A class whose second drafts fail
+    stops at one draft (the head then makes no chained call for a second); a class whose drafts pass goes as deep
+    as the cap; a covering step (a sampled row under ``auto``) takes them all."""
     prices = CallCosts({0: 24.0, 1: 24.0, 2: 30.0, 4: 36.0}, per_token=1.0, measured_tokens={0: 1, 1: 2, 2: 3, 4: 5})
     dispatcher = Dispatcher([0, 1, 2, 4], mode="auto", prices=prices)
     for _ in range(50):
         dispatcher.observe_acceptance(proposed=4, accepted=1, match_len=-8)  # first draft passes, the next fails
         dispatcher.observe_acceptance(proposed=4, accepted=4, match_len=-10)
-    assert dispatcher.useful_depth(-8, 4) == 1
-    assert dispatcher.useful_depth(-10, 4) == 4 and dispatcher.useful_depth(-10, 2) == 2
-    assert dispatcher.useful_depth(-8, 4, greedy=False) == 4  # auto covers a sampled row's drafts
-    assert Dispatcher([0, 4], mode="cover").useful_depth(-8, 3) == 3
-    assert dispatcher.useful_depth(-8, 0) == 0
+    unsure, sure = Proposal(np.array([7]), confidence=0.75), Proposal(np.array([7]), confidence=0.95)
+    assert dispatcher.useful_depth(unsure, 4) == 1
+    assert dispatcher.useful_depth(sure, 4) == 4 and dispatcher.useful_depth(sure, 2) == 2
+    assert dispatcher.useful_depth(unsure, 4, greedy=False) == 4  # auto covers a sampled row's drafts
+    assert Dispatcher([0, 4], mode="cover").useful_depth(unsure, 3) == 3
+    assert dispatcher.useful_depth(unsure, 0) == 0
+
+
+def test_survival_stats_calibrate_a_heads_probabilities():
+    """The docstring's example: before any verification a row's survival is the head's own ([0.95, 0.57]);
+    after 20 first drafts at 0.9-1.0 of which 10 passed, the first draft's rate is (10 + 2 * 0.95) / 22."""
+    stats = SurvivalStats()
+    assert np.allclose(stats.chain(np.array([0.95, 0.57])), [0.95, 0.57])
+    for accepted in (1, 0) * 10:
+        stats.observe(np.array([0.95]), accepted)
+    first = (10 + 2 * 0.95) / 22
+    assert np.allclose(stats.chain(np.array([0.95, 0.57])), [first, first * 0.6])
+    stats.observe(np.array([0.95, 0.57, 0.3]), accepted=1)  # drafts 1 and 2 tried, the third never was
+    assert stats.tried[1, 6] == 1 and stats.accepted[1, 6] == 0 and stats.tried[2].sum() == 0
+
+
+def test_rows_are_priced_by_their_heads_survival():
+    """One budget across rows: a head row whose chain the head is sure of verifies all its drafts, one whose
+    second draft is a guess verifies its first only, one whose first is a guess none (20 ms a call + 1 ms a
+    live token)."""
+    prices = CallCosts({0: 24.0, 4: 24.0}, per_token=1.0, measured_tokens={0: 4, 4: 4})
+    dispatcher = Dispatcher([0, 4], mode="cost", prices=prices)
+    sure = Proposal(np.array([1, 2, 3]), survival=np.array([0.95, 0.9, 0.86]))
+    half = Proposal(np.array([1, 2, 3]), survival=np.array([0.9, 0.09, 0.05]))
+    guess = Proposal(np.array([1, 2]), survival=np.array([0.08, 0.01]))
+    assert dispatcher.plan([sure, half, guess, Proposal.empty()], greedy=True) == (4, [3, 1, 0, 0])
+    assert 0.1 < dispatcher.rate < 0.4  # (4 + 0.95 + 0.9 + 0.86 + 0.9) tokens / (20 + 8) ms
+
+
+def test_a_chain_stops_when_its_next_draft_cannot_pay_for_its_head_call():
+    """The docstring's example of ``useful_depth``: last plan 0.2 tokens / ms, a live token 1 ms, a head call
+    0.5 ms: after a first draft at 0.5 the second (expected at 0.25) is not made; were head calls free it
+    would be; after a first draft at 0.67 it is (a 20 ms call: the row alone would take them all)."""
+    prices = CallCosts({0: 21.0, 4: 21.0}, per_token=1.0, measured_tokens={0: 1, 4: 1})
+    dispatcher = Dispatcher([0, 4], mode="cost", prices=prices)
+    dispatcher.rate = 0.2
+    half = Proposal(np.array([7]), survival=np.array([0.5]))
+    assert dispatcher.useful_depth(half, 4, draft_ms=0.5) == 1
+    assert dispatcher.useful_depth(half, 4, draft_ms=0.0) >= 2
+    assert dispatcher.useful_depth(Proposal(np.array([7]), survival=np.array([0.67])), 4, draft_ms=0.5) >= 2
+
+
+def test_draft_gate_pauses_a_request_whose_drafts_do_not_pay():
+    """The docstring's example: drafting costs 1.2 ms a row, a verified draft 0.3 ms, a token 2 ms. A request
+    accepting about half its one verified draft a step stops drafting (GATE_PAUSE steps, the last a trial),
+    one accepting all of it drafts on; drafting that costs microseconds (lookup) always pays."""
+    gate = DraftGate()
+    for step in range(40):
+        gate.observe_drafting(2.4, 2)
+        gate.observe("half", verified=1, accepted=step % 2)
+        gate.observe("full", verified=1, accepted=1)
+    assert abs(gate.share_ms - 1.2) < 0.01
+    opened = [gate.open(["half", "full"], ms_per_token=2.0, per_token=0.3) for _ in range(GATE_PAUSE + 1)]
+    assert [row[0] for row in opened] == [False] * GATE_PAUSE + [True]
+    assert all(row[1] for row in opened)
+    cheap = DraftGate()
+    cheap.observe_drafting(0.02, 4)
+    cheap.observe("lookup", verified=2, accepted=0)
+    assert cheap.open(["lookup", "new"], ms_per_token=2.0, per_token=0.3) == [True, True]
+
+
+def test_drafting_that_cannot_pay_is_turned_off_and_output_stays_none(four_slots):
+    """pld at 4 slots whose drafting looks far too dear for what it saves: the rows draft only on trial steps
+    (every GATE_PAUSE steps, then less often), and the output is `none`'s."""
+    from qspec.runtime import Engine, SamplingParams
+
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    plain = greedy_none(four_slots, params)
+    engine = Engine(four_slots, method="pld")
+    engine.dispatcher = Dispatcher(engine.ks, mode="auto", prices=FixedCosts({0: 10.0, 4: 30.0}))
+    engine.dispatcher.gate.share_ms = 1e9  # a drafting step seen to cost a lifetime
+    assert [out.token_ids for out in engine.generate(PROMPTS, params)] == plain
+    steps = engine.last_metrics.calls["0"] + engine.last_metrics.calls["4"]
+    assert engine.last_metrics.proposed <= 4 * 4 * (steps // GATE_PAUSE + 1)
+
+
+class SurvivalLookup(PromptLookupProposer):
+    """Prompt lookup whose drafts carry a falling survival, as a head's do: cost dispatch prices them by it."""
+
+    def proposal(self, request_id, k: int) -> Proposal:
+        base = super().proposal(request_id, k)
+        return Proposal(base.tokens, survival=0.8 ** np.arange(1, len(base) + 1)) if len(base) else base
+
+
+@pytest.mark.parametrize("weight_format", ["fp32", "int4"])
+def test_rows_priced_by_survival_give_none_at_one_and_four_slots(tiny_model, tmp_path_factory, weight_format):
+    """Drafts with a survival, cost dispatch (each row its own depth, one budget, the gate) at 4 slots and at 1,
+    fp32 and int4: the output is `none`'s, and drafts were verified (the calibration saw them)."""
+    from qspec.compile import CompileOptions, compile_package
+    from qspec.runtime import Engine, SamplingParams
+    from qspec.specializations import make_config
+
+    config = make_config(num_speculative_tokens="0,1,4", prefill_seq_len=8, ctx_len=64, full_batch_size=4)
+    folder = tmp_path_factory.mktemp(f"survival-{weight_format}") / "pkg"
+    options = CompileOptions(specialization=config, weight_format=weight_format)
+    package = compile_package(tiny_model("llama"), options, output=folder)[0]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    plain = greedy_none(package, params)
+    for slots in (4, 1):
+        engine = Engine(package, method="pld", proposer=SurvivalLookup(), max_batch_size=slots)
+        assert [out.token_ids for out in engine.generate(PROMPTS, params)] == plain, slots
+        assert engine.dispatcher.survival.tried.sum() > 0, slots  # drafts were verified, priced by their survival

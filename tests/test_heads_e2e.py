@@ -135,15 +135,18 @@ def test_head_greedy_equals_none(head_package, method, weight_format):
     assert covered.proposed > 0 and covered.accepted > 0
 
 
-@pytest.mark.parametrize("method", ["eagle", "medusa"])
-def test_head_continuous_batching_equals_batch_one(head_package, method):
-    """Four KV slots, six requests (admitted mid-batch): every output equals `none` at batch 1."""
-    package = head_package(method, fbs=4)
+@pytest.mark.parametrize(("method", "weight_format"), [("eagle", "fp32"), ("eagle", "int4"), ("medusa", "fp32")])
+def test_head_continuous_batching_equals_batch_one(head_package, method, weight_format):
+    """Four KV slots, six requests (admitted mid-batch): every output equals `none` at batch 1, under `cover` and
+    under `auto` (each row priced by its own survival, chains cut by what a head call costs, drafting that does
+    not pay turned off per row)."""
+    package = head_package(method, weight_format, fbs=4)
     prompts = PROMPTS + [[7, 7, 8, 9, 10], list(range(60, 75))]
     plain, _ = run(package, prompts, method="none", max_batch_size=1)
-    spec, engine = run(package, prompts, method=method, dispatch="cover")
-    assert spec == plain
-    assert engine.last_metrics.accepted > 0
+    for dispatch in ("cover", "auto"):
+        spec, engine = run(package, prompts, method=method, dispatch=dispatch)
+        assert spec == plain, dispatch
+        assert engine.last_metrics.accepted > 0, dispatch
 
 
 def test_head_sampling_is_reproducible(head_package):

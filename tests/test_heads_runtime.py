@@ -101,6 +101,8 @@ def test_head_proposals_carry_the_first_drafts_probability():
     (proposal,) = proposer.propose_batch([("a", 3)])
     assert proposal.tokens.tolist() == [6, 7, 8] and abs(proposal.confidence - 0.93) < 1e-6
     assert proposal.dispatch_class == -10 and proposal.cut(1).dispatch_class == -10
+    assert np.allclose(proposal.survival, [0.93, 0.465, 0.4185])
+    assert np.allclose(proposal.cut(2).survival, [0.93, 0.465])
 
     medusa = MedusaProposer(
         ScriptedMedusa([0.35, 0.9, 0.8]), None, ctx_len=0, hidden_size=HIDDEN, rows=1, threshold=0.5
@@ -110,6 +112,7 @@ def test_head_proposals_carry_the_first_drafts_probability():
     medusa.observe_hidden("b", 0, features(0, 2))
     (proposal,) = medusa.propose_batch([("b", 3)])
     assert abs(proposal.confidence - 0.35) < 1e-6 and proposal.dispatch_class == -4
+    assert np.allclose(proposal.survival, [0.35])
 
 
 def test_eagle_long_prompt_catches_up_in_widest_chunks():
@@ -182,14 +185,14 @@ def test_lookup_first_takes_long_matches_and_the_head_elsewhere():
     assert head.calls[0][1][0][head.calls[0][1][0] >= 0].tolist() == list(range(8))  # pairs 0..7 at once
 
 
-def test_eagle_chains_only_as_deep_as_dispatch_would_verify():
-    """The engine's dispatch says how many drafts of a proposal as sure as the first it would verify: the
-    chain stops there (each chained draft is a head call); the request's sampling mode and the first draft's
-    confidence class are what it is asked with."""
+def test_eagle_asks_after_each_draft_whether_the_next_pays():
+    """The engine's dispatch says, after each draft, how many drafts of a proposal like this one it would verify
+    at what a further head call costs: the chain stops as soon as that is not more than it has (each chained draft
+    is a head call); the proposal so far (with its survival), the cap and the sampling mode are what it is asked."""
     asked = []
 
-    def useful(dispatch_class, cap, greedy):
-        asked.append((dispatch_class, cap, greedy))
+    def useful(proposal, cap, greedy, draft_ms):
+        asked.append((proposal.tokens.tolist(), np.round(proposal.survival, 4).tolist(), cap, greedy))
         return 2
 
     head = ScriptedHead(probs={5: 0.95})
@@ -199,8 +202,9 @@ def test_eagle_chains_only_as_deep_as_dispatch_would_verify():
     proposer.observe_hidden("a", 0, features(0, 5))
     proposer.extend("a", [5])
     assert proposer.propose("a", 4).tolist() == [6, 7]  # the threshold would let it chain to 4
-    assert len(head.calls) == 2 and asked == [(-10, 4, True)]
-    proposer.limit_depth(lambda dispatch_class, cap, greedy: 0)
+    assert len(head.calls) == 2 and asked == [([6], [0.95], 4, True), ([6, 7], [0.95, 0.855], 4, True)]
+    assert proposer.chain_ms > 0  # what the chained call cost, for the next question
+    proposer.limit_depth(lambda proposal, cap, greedy, draft_ms: 0)
     head.calls.clear()
     proposer.observe_hidden("a", 5, features(5, 1))
     proposer.extend("a", [6])

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from qspec.bench import BenchReport, compare_outputs, quick_options, run_bench
+from qspec.bench.peers import runners
 from qspec.bench.peers.models import PeerUnavailable, build_ort_genai, read_build
 from qspec.bench.peers.runners import LLAMA_CPP, ORT_GENAI, PEER_MODULES, llama_cpp_configs, peer_request, plan_peers
 from qspec.bench.peers.workers import GREEDY, LOOKUP
@@ -44,6 +45,7 @@ def test_plan_skips_llama_cpp_without_a_gguf(monkeypatch, tiny_model):
     """A Hugging Face folder: llama.cpp (installed or not) is skipped for want of a .gguf; ORT GenAI may run."""
     monkeypatch.setitem(PEER_MODULES, LLAMA_CPP, "json")  # a module that exists: only the model format is missing
     monkeypatch.setitem(PEER_MODULES, ORT_GENAI, "json")
+    monkeypatch.setattr(runners, "ort_genai_has_adaptive", lambda: False)
     plan = plan_peers(str(tiny_model("llama")), quick_options())
     assert [(s.what.split()[0], s.why) for s in plan.skipped] == [
         (LLAMA_CPP, "llama.cpp runs a .gguf file; the bench was not given one")
@@ -55,6 +57,10 @@ def test_plan_skips_llama_cpp_without_a_gguf(monkeypatch, tiny_model):
         "ort-genai-int4-ngram[4]@1",
     ]
     assert {c.backend for c in plan.configs} == {"ort-genai-fp32", "ort-genai-int4"}
+    monkeypatch.setattr(runners, "ort_genai_has_adaptive", lambda: True)  # onnxruntime-genai >= 0.18
+    keys = [c.key for c in plan_peers(str(tiny_model("llama")), quick_options()).configs]
+    assert keys[:3] == ["ort-genai-fp32@1", "ort-genai-fp32-ngram[4]@1", "ort-genai-fp32-ngram-adaptive[8]@1"]
+    assert len(keys) == 6
 
 
 def test_plan_without_source_or_when_not_asked(monkeypatch):
@@ -147,6 +153,8 @@ def test_ort_genai_runs_beside_qspec_on_a_tiny_model(tiny_model, tmp_path, monke
     assert checks["ort-genai-fp32@1"].kind == "baseline" and 0 <= checks["ort-genai-fp32@1"].mean_common_prefix <= 1
     # ORT GenAI's own speculation is exact: its n-gram output equals its greedy output.
     assert report.outputs["ort-genai-fp32-ngram[4]@1"] == report.outputs["ort-genai-fp32@1"]
+    if runners.ort_genai_has_adaptive():  # its n-gram with adaptive K, as exact
+        assert report.outputs["ort-genai-int4-ngram-adaptive[8]@1"] == report.outputs["ort-genai-int4@1"]
     builds = report.meta.runners["ort-genai-int4"].builds
     assert [b.what for b in builds] == ["ort-genai int4"] and builds[0].build_s > 0
     assert report.meta.runners["ort-genai-int4"].threads == 1

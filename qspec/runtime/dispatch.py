@@ -32,6 +32,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from qspec.errors import ConfigError
+from qspec.runtime.acceptance import AcceptanceStats, DraftGate, SurvivalStats
+
+__all__ = ["AcceptanceStats", "CallCosts", "Dispatcher", "plan_by_cost", "pick_k", "pick_k_by_cost"]
 
 if TYPE_CHECKING:
     from qspec.runtime.proposal import Proposal
@@ -44,8 +47,6 @@ MARGIN = 1.1
 # this many steps with drafts on offer and none verified, one step verifies one draft a row (a few
 # early rejections would otherwise price the drafts out for the whole run).
 EXPLORE_EVERY = 8
-PRIOR_ACCEPTANCE = 0.5  # c_1 before any draft has been verified ...
-PRIOR_WEIGHT = 2.0  # ... worth two observations (see AcceptanceStats)
 
 
 def check_mode(mode: str) -> str:
@@ -223,61 +224,6 @@ def _median(values) -> float:
     return float(ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2)
 
 
-class AcceptanceStats:
-    """Running estimates of ``c_i``, the chance that draft ``i`` (1-based) is accepted given that drafts
-    ``1..i-1`` were, one set per proposal class (:attr:`Proposal.dispatch_class`): how far a prompt-lookup
-    draft gets depends on what it continues (a draft after a 3-gram match is accepted far more often
-    than one after a 1-gram match), a head's draft on how sure the head was.
-
-    A class's ``c_1`` starts from every class's pooled ``c_1`` (itself from 0.5), and a deeper ``c_i``
-    from the class's own ``c_{i-1}``, each worth :data:`PRIOR_WEIGHT` observations: a class seen a few
-    times borrows from the others, and drafts never verified yet are priced like the shallower ones
-    (with a flat prior, rows cut to one draft never learned whether a second one pays).
-    """
-
-    def __init__(self, k_max: int):
-        self.k_max = max(k_max, 1)
-        self._by_class: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # match_len -> (tried, accepted)
-        self._pooled = self._zeros()  # (tried, accepted) of every class
-        self._chains: dict[int, np.ndarray] = {}
-
-    def _zeros(self) -> tuple[np.ndarray, np.ndarray]:
-        return np.zeros(self.k_max), np.zeros(self.k_max)
-
-    def observe(self, proposed: int, accepted: int, match_len: int = 0) -> None:
-        """Draft ``i`` was tried iff drafts before it were accepted: ``i <= accepted + 1``."""
-        tried = min(proposed, accepted + 1, self.k_max)
-        accepted = min(accepted, self.k_max)
-        for counts in (self._counts(match_len), self._pooled):
-            counts[0][:tried] += 1
-            counts[1][:accepted] += 1
-        self._chains.clear()
-
-    def counts(self, match_len: int = 0) -> tuple[np.ndarray, np.ndarray]:
-        """``(tried, accepted)`` per draft position for one class (observations only, no prior)."""
-        tried, accepted = self._counts(match_len)
-        return tried.copy(), accepted.copy()
-
-    def _counts(self, match_len: int) -> tuple[np.ndarray, np.ndarray]:
-        if match_len not in self._by_class:
-            self._by_class[match_len] = self._zeros()
-        return self._by_class[match_len]
-
-    def chain(self, match_len: int = 0) -> np.ndarray:
-        """``[P(d_1 accepted), P(d_1, d_2 accepted), ...]`` for a proposal of this class."""
-        chain = self._chains.get(match_len)
-        if chain is None:
-            pooled_tried, pooled_accepted = self._pooled
-            first = (pooled_accepted[0] + PRIOR_WEIGHT * PRIOR_ACCEPTANCE) / (pooled_tried[0] + PRIOR_WEIGHT)
-            tried, accepted = self._counts(match_len)
-            rates, prior = [], first
-            for i in range(self.k_max):
-                prior = (accepted[i] + PRIOR_WEIGHT * prior) / (tried[i] + PRIOR_WEIGHT)
-                rates.append(prior)
-            chain = self._chains[match_len] = np.cumprod(rates)
-        return chain
-
-
 class Dispatcher:
     """The dispatch state of one engine: its mode, the prices of its calls and the acceptance it has seen.
 
@@ -303,8 +249,12 @@ class Dispatcher:
             raise ConfigError(f"dispatch {mode!r} needs the prices of the calls (CallCosts); use cover without them")
         self.mode = mode
         self.prices = prices
-        self.stats = AcceptanceStats(self.k_max)
+        self.stats = AcceptanceStats(self.k_max)  # proposals without probabilities: per class
+        self.survival = SurvivalStats()  # proposals with them (a head's): calibrated
+        self.gate = DraftGate()
+        self.rate = 0.0  # expected tokens per ms of the last cost plan (0: none yet)
         self._unverified = 0  # cost plans since drafts were last verified (EXPLORE_EVERY)
+        self._drafting: set = set()  # requests the gate let draft this step
 
     @classmethod
     def for_model(
@@ -329,16 +279,25 @@ class Dispatcher:
             return self.mode
         return "cost" if greedy else "cover"
 
+    def chain(self, proposal: Proposal) -> np.ndarray:
+        """The proposal's survival as cost dispatch prices it: its drafter's probabilities calibrated
+        (:class:`SurvivalStats`) when it has them, else its class's measured ``c_i`` (:class:`AcceptanceStats`)."""
+        if proposal.survival is not None:
+            return self.survival.chain(proposal.survival)
+        return self.stats.chain(proposal.dispatch_class)
+
     def plan(self, proposals: Sequence[Proposal], *, greedy: bool) -> tuple[int, list[int]]:
-        """``(K, depths)``: the call to run and how many drafts each row verifies in it."""
+        """``(K, depths)``: the call to run and how many drafts each row verifies in it (one budget across the
+        rows: every row's drafts compete by survival, :func:`plan_by_cost`)."""
         lengths = [len(p) for p in proposals]
         if self.k_max == 0:  # `none`: nothing to verify, nothing to plan
             return self.ks[0], lengths
         if self.step_mode(greedy=greedy) != "cost":
             k = pick_k(self.ks, max(lengths))
             return k, [min(n, k) for n in lengths]
-        chains = [self.stats.chain(p.dispatch_class) for p in proposals]
+        chains = [self.chain(p) for p in proposals]
         k, depths = plan_by_cost(self.ks, self.prices.price, lengths, chains)
+        self.rate = expected_tokens(depths, chains) / self.prices.price(k, len(lengths) + sum(depths))
         if any(depths):
             self._unverified = 0
         elif any(lengths):
@@ -348,13 +307,73 @@ class Dispatcher:
                 return pick_k(self.ks, 1), [min(n, 1) for n in lengths]
         return k, depths
 
-    def useful_depth(self, dispatch_class: int, cap: int, greedy: bool = True) -> int:
-        """How many of ``cap`` drafts of ``dispatch_class`` a ``cost`` step would verify for a row alone (the
-        :func:`plan_by_cost` of one row on the class's chain); ``cap`` when the step covers its drafts. A head
-        asks before paying a call for its next draft (:meth:`Proposer.limit_depth`)."""
+    def useful_depth(self, proposal: Proposal, cap: int, greedy: bool = True, draft_ms: float = 0.0) -> int:
+        """How many of ``cap`` drafts a ``cost`` step would verify of a proposal like ``proposal`` (the drafts a
+        head has made so far, further ones assumed as likely as its last), when each draft not yet made costs
+        ``draft_ms`` more (a chained head call); ``cap`` when the step covers its drafts. A head asks after each
+        draft whether the next one can pay (:meth:`Proposer.limit_depth`): it stops as soon as the answer is
+        not more than it has.
+
+        Two tests, both must pass: the :func:`plan_by_cost` of the row alone, and, once a plan ran, the
+        marginal one: a draft not yet made adds its survival in tokens for ``per_token + draft_ms`` ms, which
+        must beat the last plan's tokens per ms (:attr:`rate`; with other rows in flight that rate is theirs
+        too). Example: last plan 0.2 tokens / ms, a live token 1 ms, a head call 0.5 ms: after a first draft
+        of survival 0.5 a second one is expected at 0.25 and adds 0.25 / 1.5 = 0.17 tokens / ms: it is not made
+        (were head calls free, 0.25 / 1 = 0.25 would pay); after one of 0.67, at 0.45 (0.3 tokens / ms), it is.
+        """
         if cap <= 0 or self.k_max == 0 or self.step_mode(greedy=greedy) != "cost":
             return max(cap, 0)
-        return plan_by_cost(self.ks, self.prices.price, [cap], [self.stats.chain(dispatch_class)])[1][0]
+        made = len(proposal)
+        chain = self.chain_ahead(proposal, cap)
+        price = self.prices.price
+
+        def with_drafting(k: int, live: int) -> float:
+            return price(k, live) + draft_ms * max(0, live - 1 - made)
+
+        depth = plan_by_cost(self.ks, with_drafting, [cap], [chain])[1][0]
+        if self.rate > 0:
+            cost = self.prices.per_token + draft_ms
+            depth = next((i for i in range(made, depth) if chain[i] < self.rate * cost), depth)
+        return depth
+
+    def chain_ahead(self, proposal: Proposal, cap: int) -> np.ndarray:
+        """:meth:`chain` of ``proposal`` up to ``cap`` drafts: a head's drafts not yet made at its last draft's
+        calibrated rate (``[0.9, 0.6]`` to 4: ``[0.9, 0.6, 0.4, 0.27]``); a class's chain as it is."""
+        if proposal.survival is None:
+            return self.stats.chain(proposal.dispatch_class)[:cap]
+        chain = self.chain(proposal)[:cap]
+        if len(chain) >= cap:
+            return chain
+        last = chain[-1] / chain[-2] if len(chain) > 1 else chain[-1]
+        return np.concatenate([chain, chain[-1] * last ** np.arange(1, cap - len(chain) + 1)])
+
+    def drafting(self, keys: Sequence, *, greedy: bool) -> list[bool]:
+        """Which requests draft this step: all, but on a ``cost`` step only those whose drafting pays
+        (:class:`DraftGate`: the ms their accepted drafts save against the ms drafting and verifying them costs)."""
+        self._drafting = set()
+        if self.k_max == 0 or self.step_mode(greedy=greedy) != "cost":
+            return [True] * len(keys)
+        if len(self.gate) > 4 * len(keys) + 16:  # finished requests
+            self.gate.forget(keys)
+        ms_per_token = self.prices.price(self.ks[0], len(keys)) / max(len(keys), 1)
+        open_ = self.gate.open(keys, ms_per_token=ms_per_token, per_token=self.prices.per_token)
+        self._drafting = {key for key, on in zip(keys, open_) if on}
+        return open_
+
+    def observe_drafting(self, ms: float, rows: int) -> None:
+        """A step's drafting took ``ms`` for ``rows`` requests (those :meth:`drafting` let draft)."""
+        self.gate.observe_drafting(ms, rows)
+
+    def observe_row(self, key, proposal: Proposal, accepted: int) -> None:
+        """Request ``key`` verified ``proposal`` (as cut by the plan) and ``accepted`` of its drafts passed."""
+        if key in self._drafting:
+            self.gate.observe(key, len(proposal), accepted)
+        if len(proposal) == 0:
+            return
+        if proposal.survival is not None:
+            self.survival.observe(proposal.survival, accepted)
+        else:
+            self.stats.observe(len(proposal), accepted, proposal.dispatch_class)
 
     def observe_call(self, k: int, ms: float, live_tokens: int) -> None:
         """A decode call of K took ``ms`` with ``live_tokens`` live tokens (no prompt chunks in it)."""

@@ -191,11 +191,15 @@ class Engine:
         return max(0, min(self.k_max, self.model.ctx_len - 1 - seq.position, seq.remaining - 1))
 
     def propose(self, live: list[SequenceState]) -> list[Proposal]:
-        """A proposal for every live sequence, each cut to its :meth:`draft_cap`."""
-        caps = [self.draft_cap(seq) for seq in live]
+        """A proposal for every live sequence, each cut to its :meth:`draft_cap`; none for a sequence whose
+        drafting does not pay (:meth:`Dispatcher.drafting`)."""
+        drafting = self.dispatcher.drafting([seq.index for seq in live], greedy=all(s.params.greedy for s in live))
+        caps = [self.draft_cap(seq) if on else 0 for seq, on in zip(live, drafting)]
         begin = time.perf_counter()
         proposals = self.proposer.propose_batch([(seq.index, cap) for seq, cap in zip(live, caps)])
-        self.seconds["propose"] += time.perf_counter() - begin
+        took = time.perf_counter() - begin
+        self.seconds["propose"] += took
+        self.dispatcher.observe_drafting(took * 1000, sum(cap > 0 for cap in caps))
         return [proposal.cut(cap) for proposal, cap in zip(proposals, caps)]
 
     def verify(
@@ -268,7 +272,7 @@ class Engine:
             row = logits[seq.slot, k - n : k + 1]  # right-aligned: the last n + 1 real tokens
             tokens = self.accept(seq, proposal, row)
             seq.metrics.target_call(k, proposed=n, accepted=len(tokens) - 1)
-            self.dispatcher.observe_acceptance(n, len(tokens) - 1, proposal.dispatch_class)
+            self.dispatcher.observe_row(seq.index, proposal, len(tokens) - 1)
             if hidden is not None:  # the rows of `last` and the accepted drafts: each precedes an emitted token
                 self.proposer.observe_hidden(seq.index, seq.position, hidden[seq.slot, : len(tokens)])
             seq.position += len(tokens)  # `last` and the accepted drafts are now in the cache

@@ -24,6 +24,7 @@ and a sampled request stays lossless under the ``min(1, p / q)`` rule with ``q``
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,10 +37,11 @@ from qspec.backends import ort as ort_backend
 from qspec.backends import ort_plan
 from qspec.errors import ConfigError
 from qspec.head_manifest import HeadManifest, has_head, read_draft_ids, read_head_manifest
-from qspec.runtime.proposal import DepthLimit, Proposal, Proposer, RequestId, Tokens, as_tokens, confidence_class
+from qspec.runtime.proposal import DepthLimit, Proposal, Proposer, RequestId, Tokens, as_tokens
 from qspec.runtime.sampling import SamplingParams
 from qspec.specializations import Specialization
 
+CHAIN_MS_DECAY = 0.1  # weight of the newest chained call in EagleProposer.chain_ms
 DEFAULT_THRESHOLD = 0.5  # a chain of drafts less likely than this (product of probabilities) ends the row's drafts
 
 
@@ -70,6 +72,10 @@ class _Row:
     going: bool = True
     confidence: float = 1.0  # product of the drafts' probabilities: how likely the whole chain is right
     first: float = 0.0  # the first draft's probability (Proposal.confidence)
+    survival: list[float] = field(default_factory=list)  # the chain's probability after each draft (Proposal.survival)
+
+    def proposal(self) -> Proposal:
+        return Proposal(np.asarray(self.drafts, np.int64), confidence=self.first, survival=np.asarray(self.survival))
 
 
 class HeadGraph:
@@ -266,6 +272,7 @@ class EagleProposer(HiddenStateProposer):
         super().__init__(head, draft_ids, ctx_len=ctx_len, hidden_size=hidden_size, rows=rows, threshold=threshold)
         self.widths = sorted(set(widths))  # the head's compiled seq_len values
         self.chain = list(chain) or [head]  # the graph of each draft depth, cycled (MTP layers; class doc)
+        self.chain_ms = 0.0  # running mean of a row's share of a chained call (what a further draft costs)
 
     @classmethod
     def from_manifest(cls, graphs: list[HeadGraph], draft_ids, manifest: HeadManifest, *, threshold: float):
@@ -306,7 +313,7 @@ class EagleProposer(HiddenStateProposer):
         for rid, cap in items:
             row = by_request.get(id(self._requests[rid])) if cap > 0 else None
             drafts = np.asarray(row.drafts, np.int64) if row and row.drafts else None
-            out.append(Proposal(drafts, confidence=row.first) if drafts is not None else Proposal.empty())
+            out.append(row.proposal() if drafts is not None else Proposal.empty())
         return out
 
     def _call(
@@ -354,9 +361,9 @@ class EagleProposer(HiddenStateProposer):
 
     def _take(self, row: _Row, logits: np.ndarray, feature: np.ndarray) -> None:
         """Keep the head's draft unless the chain it ends is below the threshold (the first draft is always
-        kept: the dispatch prices it); chain on while the chain's probability stays at or above it, as deep as
-        the engine's dispatch would verify a proposal as sure as the first draft (a chained draft costs a call
-        whether it is verified or not; ``limit_depth``)."""
+        kept: the dispatch prices it); chain on while the chain's probability stays at or above it and the
+        engine's dispatch says a further draft, at what a head call costs, would be verified (a chained draft
+        costs a call whether it is verified or not; ``limit_depth``)."""
         top, prob = softmax_top(logits[None])
         confidence = row.confidence * float(prob[0])
         if row.drafts and confidence < self.threshold:
@@ -364,12 +371,13 @@ class EagleProposer(HiddenStateProposer):
             return
         if not row.drafts:
             row.first = confidence
-            if self.depth_limit is not None:
-                useful = self.depth_limit(confidence_class(confidence), row.cap, row.request.greedy)
-                row.cap = min(row.cap, max(useful, 1))
         row.drafts.append(int(self.to_target(top)[0]))
+        row.survival.append(confidence)
         row.feature, row.confidence = feature.copy(), confidence  # the graph's output array is reused
         row.going = len(row.drafts) < row.cap and confidence >= self.threshold
+        if row.going and self.depth_limit is not None:
+            useful = self.depth_limit(row.proposal(), row.cap, row.request.greedy, self.chain_ms)
+            row.going = useful > len(row.drafts)
 
     def _chain(self, rows: list[_Row]) -> None:
         while True:
@@ -381,7 +389,10 @@ class EagleProposer(HiddenStateProposer):
                 position = len(row.request.tokens) - 1 + len(row.drafts) - 1  # pair (f^_{N+i-1}, d_i) at N + i - 1
                 pieces.append(([row.drafts[-1]], row.feature[None], position))
             depth = len(going[0].drafts)  # the going rows chain in step: as many drafts each
+            begin = time.perf_counter()
             out = self._call(going, pieces, self.chain[depth % len(self.chain)])
+            share = (time.perf_counter() - begin) * 1000 / len(going)
+            self.chain_ms += CHAIN_MS_DECAY * (share - self.chain_ms)
             for i, row in enumerate(going):
                 self._take(row, out[contract.LOGITS][i, -1], out[contract.HIDDEN_STATES_OUT][i, -1])
 
@@ -393,6 +404,7 @@ class MedusaProposer(HiddenStateProposer):
         live = [(rid, cap) for rid, cap in items if cap > 0]
         drafts: dict[RequestId, np.ndarray] = {}
         sure: dict[RequestId, float] = {}
+        survival: dict[RequestId, np.ndarray] = {}
         if live:
             hidden = np.stack([self._requests[rid].hidden[self._requests[rid].known - 1] for rid, _ in live])
             logits = self.head.run({contract.HIDDEN_STATES: hidden[:, None]})[contract.LOGITS]  # [rows, heads, V]
@@ -405,7 +417,11 @@ class MedusaProposer(HiddenStateProposer):
                     keep = 1
                 drafts[rid] = self.to_target(top[:keep]).astype(np.int64)
                 sure[rid] = float(prob[0])
-        return [Proposal(drafts[rid], confidence=sure[rid]) if rid in drafts else Proposal.empty() for rid, _ in items]
+                survival[rid] = np.cumprod(prob[:keep].astype(np.float64))
+        return [
+            Proposal(drafts[rid], confidence=sure[rid], survival=survival[rid]) if rid in drafts else Proposal.empty()
+            for rid, _ in items
+        ]
 
 
 class LookupFirstProposer(Proposer):

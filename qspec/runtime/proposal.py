@@ -25,8 +25,8 @@ from qspec.runtime.sampling import SamplingParams
 
 RequestId = Hashable
 CONFIDENCE_CLASSES = 10  # Proposal.dispatch_class: a draft's confidence in tenths
-# (dispatch class, cap, greedy) -> how many of a proposal's drafts the engine's dispatch would verify
-DepthLimit = Callable[[int, int, bool], int]
+# (proposal so far, cap, greedy, ms a further draft costs) -> how many drafts the engine's dispatch would verify
+DepthLimit = Callable[["Proposal", int, bool, float], int]
 Tokens = np.ndarray | Sequence[int]
 
 
@@ -48,21 +48,26 @@ class Proposal:
     ``match_len``: how long a match of the history the drafts continue (prompt lookup: the n-gram's
     length; suffix decoding: the matched suffix's); 0 when the proposer has no such measure.
     ``confidence``: the proposer's own probability that its first draft is right (a draft head's
-    softmax), None when it has none. Cost dispatch keeps acceptance statistics per
-    :attr:`dispatch_class`: per match length, or per tenth of confidence for a proposal that has one
-    (a head's sure drafts are verified, its guesses dropped).
+    softmax), None when it has none. ``survival`` ``[n]``: the proposer's probability that drafts
+    ``1..i`` are all right (a head: the product of its softmax tops along the chain), None when it has
+    none. Cost dispatch prices a proposal with a survival by it, calibrated by what the target accepted
+    (:class:`~qspec.runtime.acceptance.SurvivalStats`), and one without by the statistics of its
+    :attr:`dispatch_class` (per match length, or per tenth of confidence).
     """
 
     tokens: np.ndarray  # [n] int64
     probs: np.ndarray | None = None  # [n, vocab]
     match_len: int = 0
     confidence: float | None = None
+    survival: np.ndarray | None = None  # [n] float64, falling
 
     def __post_init__(self) -> None:
         if self.probs is not None:
             assert self.probs.shape[0] == len(self.tokens), (
                 f"{self.probs.shape[0]} q rows for {len(self.tokens)} drafts"
             )
+        if self.survival is not None:
+            assert len(self.survival) == len(self.tokens), f"{len(self.survival)} survivals, {len(self.tokens)} drafts"
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -72,7 +77,11 @@ class Proposal:
         if n >= len(self.tokens):
             return self
         return Proposal(
-            self.tokens[:n], None if self.probs is None else self.probs[:n], self.match_len, self.confidence
+            self.tokens[:n],
+            None if self.probs is None else self.probs[:n],
+            self.match_len,
+            self.confidence,
+            None if self.survival is None else self.survival[:n],
         )
 
     @property
@@ -145,6 +154,7 @@ class Proposer(ABC):
         """Raise ConfigError when this proposer cannot serve the target; most proposers serve any."""
 
     def limit_depth(self, useful: DepthLimit | None) -> None:
-        """The engine says how deep its dispatch would verify a proposal (``useful(dispatch_class, cap, greedy)``).
-        A proposer that pays a call for every further draft (a head's chain) stops there; lookup drafts cost
-        nothing to make, so by default this is ignored."""
+        """The engine says how deep its dispatch would verify a proposal: ``useful(drafts so far, cap, greedy,
+        draft_ms)`` (:meth:`~qspec.runtime.dispatch.Dispatcher.useful_depth`). A proposer that pays a call for
+        every further draft (a head's chain) asks after each draft and stops when the answer is not more than it
+        has; lookup drafts cost nothing to make, so by default this is ignored."""

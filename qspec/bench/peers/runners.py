@@ -3,7 +3,9 @@
 - **ONNX Runtime GenAI** (``onnxruntime-genai``): its model builder's CPU graph of the same model at
   fp32 and int4 (:mod:`.models`), greedy and with its own n-gram speculation
   (``GeneratorParams.set_speculative_options(ngram_size=3, max_draft_tokens=4)``, the settings its
-  guide starts from; batch 1 only in the release).
+  guide starts from; batch 1 only in the release), and where the installed version has it (0.18 on) the
+  same n-gram at its best: chained lookup, K adapted between 2 and 8, cooldown after misses
+  (:data:`ORT_GENAI_ADAPTIVE`, the options its speculative-decoding guide documents).
 - **llama.cpp** (``llama-cpp-python``) on the same ``.gguf``: greedy, and with its prompt lookup
   (``LlamaPromptLookupDecoding(num_pred_tokens=4)``).
 
@@ -24,7 +26,7 @@ from pathlib import Path
 from qspec.bench.machine import usable_cores
 from qspec.bench.options import BenchOptions
 from qspec.bench.peers.models import ORT_GENAI_PRECISIONS, PeerUnavailable, build_ort_genai, hf_folder, peers_root
-from qspec.bench.peers.workers import GREEDY, LOOKUP
+from qspec.bench.peers.workers import ADAPTIVE, GREEDY, LOOKUP
 from qspec.bench.plan import RunConfig, Steps
 from qspec.bench.report import RunnerInfo, Skipped
 from qspec.bench.runners import RequestResult, RoundResult, Runner
@@ -35,6 +37,15 @@ ORT_GENAI = "ort-genai"
 LLAMA_CPP = "llama.cpp"
 PEER_DRAFT_TOKENS = 4  # the peers' draft length: the K of qspec's pld[0,4]
 ORT_GENAI_NGRAM = {"ngram_size": 3, "max_draft_tokens": PEER_DRAFT_TOKENS}  # its guide's starting point
+ADAPTIVE_DRAFT_TOKENS = 8  # the adaptive n-gram's largest K (its guide's example)
+ORT_GENAI_ADAPTIVE = {  # onnxruntime-genai >= 0.18: K adapts between min_adaptive_k and max_draft_tokens
+    "ngram_size": 3,
+    "max_draft_tokens": ADAPTIVE_DRAFT_TOKENS,
+    "ngram_chained_lookup": True,
+    "min_adaptive_k": 2,
+    "cooldown": True,
+}
+ORT_GENAI_ADAPTIVE_SINCE = (0, 18)
 INSTALL_HINT = "pip install 'qspec[peers]'"
 # The module each peer needs; tests point these at modules that do not exist.
 PEER_MODULES = {ORT_GENAI: "onnxruntime_genai", LLAMA_CPP: "llama_cpp"}
@@ -47,6 +58,17 @@ def installed(module: str) -> bool:
         return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):
         return False
+
+
+def ort_genai_has_adaptive() -> bool:
+    """Whether the installed onnxruntime-genai adapts its n-gram's K (read from its version, not imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        release = tuple(int(part) for part in version("onnxruntime-genai").split(".")[:2])
+    except (PackageNotFoundError, ValueError):
+        return False
+    return release >= ORT_GENAI_ADAPTIVE_SINCE
 
 
 def peer_request(answer: dict) -> RequestResult:
@@ -117,13 +139,17 @@ class PeerRunner(Runner):
             self.worker = None
 
 
-def ort_genai_configs(precision: str) -> dict[str, RunConfig]:
-    """``ort-genai-int4`` (greedy) and ``ort-genai-int4-ngram[4]``, batch 1, on backend ``ort-genai-int4``."""
+def ort_genai_configs(precision: str, adaptive: bool = False) -> dict[str, RunConfig]:
+    """``ort-genai-int4`` (greedy) and ``ort-genai-int4-ngram[4]``, batch 1, on backend ``ort-genai-int4``;
+    with ``adaptive`` also ``ort-genai-int4-ngram-adaptive[8]``."""
     backend = f"{ORT_GENAI}-{precision}"
-    return {
+    configs = {
         GREEDY: RunConfig(backend, (), 1, backend, precision),
         LOOKUP: RunConfig(f"{backend}-ngram", (PEER_DRAFT_TOKENS,), 1, backend, precision),
     }
+    if adaptive:
+        configs[ADAPTIVE] = RunConfig(f"{backend}-ngram-adaptive", (ADAPTIVE_DRAFT_TOKENS,), 1, backend, precision)
+    return configs
 
 
 def llama_cpp_configs(gguf: str) -> dict[str, RunConfig]:
@@ -142,8 +168,9 @@ class OrtGenaiRunner(PeerRunner):
 
     target = "ort_genai"
 
-    def __init__(self, source: str, digest: str, precision: str, **kwargs) -> None:
-        super().__init__(f"{ORT_GENAI}-{precision}", ort_genai_configs(precision), **kwargs)
+    def __init__(self, source: str, digest: str, precision: str, *, adaptive: bool = False, **kwargs) -> None:
+        super().__init__(f"{ORT_GENAI}-{precision}", ort_genai_configs(precision, adaptive), **kwargs)
+        self.speculative = {LOOKUP: ORT_GENAI_NGRAM} | ({ADAPTIVE: ORT_GENAI_ADAPTIVE} if adaptive else {})
         self.source, self.digest, self.precision = source, digest, precision
         self.what = f"ONNX Runtime GenAI {precision}"
 
@@ -161,7 +188,7 @@ class OrtGenaiRunner(PeerRunner):
             hf = Path(made.folder)
         build = build_ort_genai(hf, self.precision, root, version("onnxruntime-genai"), steps.say)
         self.builds.append(build)
-        return [build.folder, self.threads, self.eos_token_ids, self.ctx_len, ORT_GENAI_NGRAM]
+        return [build.folder, self.threads, self.eos_token_ids, self.ctx_len, self.speculative]
 
 
 class LlamaCppRunner(PeerRunner):
@@ -185,10 +212,13 @@ class PeerPlan:
     ort_genai: tuple[str, str] | None  # (source, its digest): the builder's input and the cache key
     gguf: str | None  # llama.cpp's model
     skipped: list[Skipped]
+    adaptive: bool = False  # ORT GenAI's n-gram with adaptive K runs too (ort_genai_has_adaptive)
 
     @property
     def configs(self) -> list[RunConfig]:
-        configs = [c for p in ORT_GENAI_PRECISIONS for c in ort_genai_configs(p).values()] if self.ort_genai else []
+        configs = []
+        if self.ort_genai:
+            configs = [c for p in ORT_GENAI_PRECISIONS for c in ort_genai_configs(p, self.adaptive).values()]
         return configs + (list(llama_cpp_configs(self.gguf).values()) if self.gguf else [])
 
     def runners(self, options: BenchOptions, eos_token_ids: list[int]) -> list[PeerRunner]:
@@ -199,7 +229,9 @@ class PeerPlan:
         }
         runners: list[PeerRunner] = []
         if self.ort_genai:
-            runners += [OrtGenaiRunner(*self.ort_genai, p, **common) for p in ORT_GENAI_PRECISIONS]
+            runners += [
+                OrtGenaiRunner(*self.ort_genai, p, adaptive=self.adaptive, **common) for p in ORT_GENAI_PRECISIONS
+            ]
         if self.gguf:
             runners.append(LlamaCppRunner(self.gguf, **common))
         return runners
@@ -248,4 +280,4 @@ def plan_peers(source: str | None, options: BenchOptions) -> PeerPlan:
         gguf = source
     else:
         skipped.append(Skipped(what=f"{LLAMA_CPP} (greedy and prompt lookup)", why=reason))
-    return PeerPlan(ort_genai, gguf, skipped)
+    return PeerPlan(ort_genai, gguf, skipped, adaptive=ort_genai is not None and ort_genai_has_adaptive())

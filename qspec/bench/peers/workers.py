@@ -18,6 +18,7 @@ from qspec.bench.machine import peak_rss_mb, rss_mb
 
 GREEDY = "greedy"
 LOOKUP = "lookup"  # the peer's own n-gram / prompt-lookup speculation
+ADAPTIVE = "adaptive"  # ONNX Runtime GenAI's n-gram with its adaptive K (where the installed version has it)
 
 
 def answer(
@@ -72,8 +73,11 @@ def ort_genai_overlay(threads: int, eos_token_ids: list[int]) -> str:
     return json.dumps({"model": {"eos_token_id": eos_token_ids, "decoder": {"session_options": session}}})
 
 
-def ort_genai_main(conn, folder: str, threads: int, eos_token_ids: list[int], ctx_len: int, lookup: dict) -> None:
-    """Child: an ONNX Runtime GenAI model; variant ``greedy``, or ``lookup``: ``set_speculative_options(**lookup)``."""
+def ort_genai_main(
+    conn, folder: str, threads: int, eos_token_ids: list[int], ctx_len: int, speculative: dict[str, dict]
+) -> None:
+    """Child: an ONNX Runtime GenAI model; variant ``greedy``, or one of ``speculative`` (``lookup``,
+    ``adaptive``): ``set_speculative_options(**speculative[variant])``."""
     state: dict[str, Any] = {}
     eos = set(eos_token_ids)
 
@@ -90,8 +94,8 @@ def ort_genai_main(conn, folder: str, threads: int, eos_token_ids: list[int], ct
         og, model = state["og"], state["model"]
         params = og.GeneratorParams(model)
         params.set_search_options(max_length=min(len(ids) + max_new_tokens, ctx_len), do_sample=False)
-        if variant == LOOKUP:
-            params.set_speculative_options(**lookup)
+        if variant in speculative:
+            params.set_speculative_options(**speculative[variant])
         tokens: list[int] = []
         first = None
         start = time.perf_counter()
@@ -104,7 +108,7 @@ def ort_genai_main(conn, folder: str, threads: int, eos_token_ids: list[int], ct
             if tokens and tokens[-1] in eos:
                 break
         finish = time.perf_counter()
-        if variant != LOOKUP:
+        if variant not in speculative:
             return answer(tokens, start, first, finish, calls=max(len(tokens) - 1, 0))
         stats = generator.get_speculative_stats()
         # Verification rounds and plain steps after a lookup miss are both decode calls of the model.
