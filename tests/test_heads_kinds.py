@@ -49,3 +49,14 @@ def test_an_unknown_head_method_is_a_one_line_error():
 
     with pytest.raises(ConfigError, match="unknown head method 'mtp'"):
         head_proposer("mtp")
+
+
+def test_the_cli_method_choices_are_the_runtimes():
+    """The CLI's static choices (a Literal for Typer) are the runtime's methods and aliases, no more, no less."""
+    from typing import get_args
+
+    from qspec_cli.common import Method
+
+    from qspec.runtime.proposers import METHOD_ALIASES, PROPOSER_METHODS
+
+    assert set(get_args(Method)) == (set(PROPOSER_METHODS) - {"user"}) | set(METHOD_ALIASES)
