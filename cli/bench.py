@@ -59,7 +59,7 @@ def bench(
     draft_head: Annotated[
         Optional[Path],
         typer.Option(
-            help="A draft head checkpoint (EAGLE-1, Medusa, turbo) compiled into the bench's packages; "
+            help="A draft head checkpoint (EAGLE-1, EAGLE-3, Medusa, turbo) compiled into the bench's packages; "
             "its method and its +pld combination join the methods."
         ),
     ] = None,

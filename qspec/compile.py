@@ -68,7 +68,7 @@ class CompileOptions(FrozenModel):
     num_layers: int | None = Field(default=None, ge=1)  # keep the first N layers (a draft model)
     weight_format: WeightFormat = "fp32"  # MatMul weights of the runtime graph (backend ort)
     hidden_states: bool = False  # the graphs also return the final-norm hidden states (draft heads read them)
-    draft_head: str | None = None  # a draft head checkpoint folder (EAGLE-1, Medusa, turbo): PACKAGE/head/
+    draft_head: str | None = None  # a draft head checkpoint folder (any kind of qspec.heads.kinds): PACKAGE/head/
     draft_head_weight_format: WeightFormat | None = None  # the head's runtime-graph MatMuls; None: head_weight_format
     vendor_graph: bool = False  # backend ort: also ship model.onnx and its fp32 weights (backend qaic always does)
     mtp: bool = False  # the model checkpoint's own MTP layers as the head (qspec.heads.mtp)

@@ -30,8 +30,11 @@ def packages(tiny_model, tmp_path_factory):
     target = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     head = write_eagle3_head(root / "head", target.config, draft_ids=[4, 9, 2, 130, 77], layer_ids=TAPS)
     spec = make_config(num_speculative_tokens="0,4", prefill_seq_len=8, ctx_len=64)
-    plain = compile_package(model_dir, CompileOptions(specialization=spec), output=root / "plain")[0]
-    options = CompileOptions(specialization=spec, draft_head=str(head), draft_head_weight_format="fp32")
+    plain = CompileOptions(specialization=spec, vendor_graph=True)  # model.onnx too: both graphs are checked
+    plain = compile_package(model_dir, plain, output=root / "plain")[0]
+    options = CompileOptions(
+        specialization=spec, vendor_graph=True, draft_head=str(head), draft_head_weight_format="fp32"
+    )
     tapped = compile_package(model_dir, options, output=root / "tapped")[0]
     return target, head, plain, tapped
 

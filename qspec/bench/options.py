@@ -60,7 +60,7 @@ class BenchOptions(FrozenModel):
     comp_ctx_lengths_prefill: str | None = "256"
     comp_ctx_lengths_decode: str | None = "256,512"
     draft_package: Path | None = None
-    # A draft head checkpoint (EAGLE-1, Medusa, turbo) compiled into every package the bench compiles
+    # A draft head checkpoint (EAGLE-1, EAGLE-3, Medusa, turbo) compiled into every package the bench compiles
     # (qspec compile --draft-head); its method and its +pld combination run where pld runs.
     draft_head: Path | None = None
     num_threads: int | None = Field(default=None, ge=1)
