@@ -82,7 +82,7 @@ def serve(
         typer.Option(
             help="Reuse a finished request's KV for a prompt that starts with its tokens (a conversation's next turn)."
         ),
-    ] = True,
+    ] = False,
     api_key: Annotated[
         Optional[str],
         typer.Option(
@@ -93,6 +93,21 @@ def serve(
         float, typer.Option(help="Seconds in-flight requests get to finish on SIGINT/SIGTERM.")
     ] = 10.0,
     log_level: Annotated[str, typer.Option(help="uvicorn log level (debug logs every request).")] = "info",
+    replicas: Annotated[
+        int, typer.Option(help="Engine replicas behind the endpoint; more than 1 runs on Ray Serve (extra `ray`).")
+    ] = 1,
+    min_replicas: Annotated[
+        Optional[int], typer.Option(help="Ray Serve autoscaling: fewest replicas (default: --replicas).")
+    ] = None,
+    max_replicas: Annotated[
+        Optional[int], typer.Option(help="Ray Serve autoscaling: most replicas (default: --replicas).")
+    ] = None,
+    ray_address: Annotated[
+        Optional[str],
+        typer.Option(
+            help="Ray cluster to join, e.g. ray://head:10001 (default: start a local one).", envvar="RAY_ADDRESS"
+        ),
+    ] = None,
 ) -> None:
     """Serve PACKAGE with an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /metrics)."""
     with cli_errors():
@@ -124,6 +139,20 @@ def serve(
             log_level=log_level,
             api_key=api_key,
         )
+        if replicas > 1 or min_replicas is not None or max_replicas is not None:
+            from qspec.serve.replicas import ReplicaOptions, serve_replicas
+
+            replica_options = ReplicaOptions.create(
+                replicas=replicas,
+                min_replicas=min_replicas,
+                max_replicas=max_replicas,
+                ray_address=ray_address,
+                cpus_per_replica=num_threads or 1,
+            )
+            name = escape(options.model_name)
+            ready = f"serving [bold]{name}[/] ({replicas} replicas on Ray Serve) on {{url}}/v1"
+            serve_replicas(options, replica_options, on_ready=lambda url: console.print(ready.format(url=url)))
+            return
         sock = listen(options)  # before the load: a taken port is one line, not a traceback after it
         with status("loading the package"):
             app, worker = build(options)
@@ -148,6 +177,9 @@ def serve_load(
     max_tokens: Annotated[int, typer.Option(help="max_tokens of every request.")] = 128,
     time_limit: Annotated[float, typer.Option(help="Seconds one method's run may take at most.")] = 600.0,
     verify: Annotated[bool, typer.Option(help="Compare every response with the engine's greedy output.")] = True,
+    prefix_cache: Annotated[
+        bool, typer.Option(help="The servers reuse prefixes across requests (qspec serve --prefix-cache).")
+    ] = False,
     spinning: Annotated[
         bool, typer.Option(help="ONNX Runtime threads spin between calls (off: kinder to a shared machine).")
     ] = True,
@@ -171,6 +203,7 @@ def serve_load(
             max_tokens=max_tokens,
             time_limit_s=time_limit,
             spinning=spinning,
+            prefix_cache=prefix_cache,
         )
         with status("load run") as say:
             reports = run_load(

@@ -84,3 +84,40 @@ def test_engine_prefix_cache_equals_plain(package):
     again = [o.token_ids for o in warm_engine.generate(prompts, params)]
     assert warm == cold and again == cold
     assert warm_engine.prefix.hits > 0
+
+
+def test_shared_prefix_load_with_leavers_equals_plain(package):
+    """Concurrent requests sharing a prefix, streams that leave after their first chunk (aborted mid-prefill or
+    mid-decode, their KV kept), then the same prompts again: every answer is the plain engine's."""
+    import httpx
+
+    prompts = [f"abcabc {i}" for i in range(16)]
+    refs = [
+        o.text
+        for o in Engine(package, method="none").generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    ]
+    running = Server(package, method="pld", prefix_cache=True)
+    try:
+        running.slow_engine(0.005)
+
+        def ask(i: int) -> str:
+            reply = running.client.completions.create(
+                model=MODEL, prompt=prompts[i], max_tokens=24, extra_body={"ignore_eos": True}
+            )
+            return reply.choices[0].text
+
+        def leave(i: int) -> None:
+            body = {"model": MODEL, "prompt": prompts[i], "max_tokens": 24, "stream": True}
+            with httpx.stream("POST", f"{running.url}/v1/completions", json=body, timeout=60) as response:
+                next(response.iter_lines())
+
+        with ThreadPoolExecutor(8) as pool:
+            leavers = [pool.submit(leave, i) for i in range(4)]
+            first = list(pool.map(ask, range(len(prompts))))
+            again = list(pool.map(ask, range(len(prompts))))
+            for future in leavers:
+                future.result()
+        assert running.metrics()["qspec:prefix_cache_hits_total"] > 0
+    finally:
+        running.stop()
+    assert first == refs and again == refs

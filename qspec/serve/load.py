@@ -38,6 +38,7 @@ class LoadOptions(FrozenModel):
     seed: int = 0
     time_limit_s: float = Field(default=600.0, gt=0)  # per method
     spinning: bool = True  # ONNX Runtime's spinning threads (off: better on a machine shared with other jobs)
+    prefix_cache: bool = False  # the servers reuse prefixes (qspec serve --prefix-cache)
 
 
 class RequestRecord(BaseModel):
@@ -166,10 +167,13 @@ async def run_clients(url: str, prompts: list[str], options: LoadOptions) -> tup
 # --------------------------------------------------------------------------------------------
 
 
-def _start_server(package: Path, method: str, port: int, *, max_waiting: int, spinning: bool) -> subprocess.Popen:
+def _start_server(
+    package: Path, method: str, port: int, *, max_waiting: int, spinning: bool, prefix_cache: bool = False
+) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "qspec", "serve", str(package), "--port", str(port), "--method", method,
            "--served-model-name", SERVED_NAME, "--max-waiting", str(max_waiting), "--log-level", "warning",
            "--spinning" if spinning else "--no-spinning"]  # fmt: skip
+    cmd.append("--prefix-cache" if prefix_cache else "--no-prefix-cache")
     return subprocess.Popen(
         cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "HF_HUB_OFFLINE": "1"}
     )
@@ -209,7 +213,9 @@ def run_method(
     """Start a server with ``method``, run the clients, scrape /metrics, stop the server (SIGTERM)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = _start_server(package, method, port, max_waiting=len(prompts), spinning=options.spinning)
+    proc = _start_server(
+        package, method, port, max_waiting=len(prompts), spinning=options.spinning, prefix_cache=options.prefix_cache
+    )
     try:
         _wait_healthy(proc, url)
         records, wall = asyncio.run(run_clients(url, prompts, options))
