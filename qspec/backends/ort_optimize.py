@@ -70,7 +70,7 @@ ACCURACY_LEVEL = INT8_ACTIVATIONS
 SYMMETRIC = True
 # Bump when the recipe below changes: cached runtime graphs are keyed by it (and packages, whose draft
 # head graph is built with it: 28, the head's call plan).
-RECIPE_VERSION = 29
+RECIPE_VERSION = 30
 GRAPH_META = "graph.json"
 # Initializers below this size stay inside the .onnx file.
 EXTERNAL_MIN_BYTES = 1024
@@ -283,6 +283,53 @@ def quantize_streamed(
 
 
 MS_DOMAIN = "com.microsoft"
+WIDENED_MATMULS = "widened_4bit_matmuls"
+
+
+def widen_one_row_matmuls(model) -> int:
+    """Every 4-bit ``MatMulNBits`` sees at least two rows: a zero row is appended to its activation and its
+    output row dropped; returns how many nodes.
+
+    MLAS runs a one-row 4-bit product on a kernel of its own, which on x86 without AVX-512 sums in another
+    order than the many-row kernel; a token alone (a one-token call) would then round differently from the
+    same token in a verify call, and speculative greedy output would not be plain greedy output. Rows of a
+    product of two rows or more are computed alike whatever their count (tests/test_weight_formats.py).
+    A package without drafts (``lone_query``) verifies nothing and keeps its one-row products.
+    """
+    import numpy as np
+    import onnx_ir as ir
+
+    nodes = [
+        node
+        for node in model.graph
+        if node.op_type == "MatMulNBits" and node.domain == MS_DOMAIN and node.attributes.get_int("bits", 4) == 4
+    ]
+    if not nodes:
+        return 0
+
+    def constant(name: str, values: list[int]):
+        value = ir.Value(name=name, const_value=ir.tensor(np.array(values, np.int64)))
+        model.graph.register_initializer(value)
+        return value
+
+    pads, axes = constant("widen_pads", [0, 1]), constant("widen_axes", [-2])
+    starts, ends = constant("widen_starts", [0]), constant("widen_ends", [-1])
+    for node in nodes:
+        pad = ir.node("Pad", [node.inputs[0], pads, None, axes], name=node.name + "_widen")
+        model.graph.insert_before(node, pad)
+        node.replace_input_with(0, pad.outputs[0])
+        out = node.outputs[0]
+        cut = ir.node("Slice", [out, starts, ends, axes], name=node.name + "_narrow")
+        model.graph.insert_after(node, cut)
+        for user, index in list(out.uses()):
+            if user is not cut:
+                user.replace_input_with(index, cut.outputs[0])
+        if out.is_graph_output():
+            outputs = model.graph.outputs
+            outputs[outputs.index(out)] = cut.outputs[0]
+            name, out.name = out.name, None
+            cut.outputs[0].name = name
+    return len(nodes)
 
 
 def _quantizable(node) -> bool:
@@ -540,6 +587,8 @@ def optimize_graph(
             progress=say,
         )
         fusions["quantized_tables"] = _count_ops(model, "GatherBlockQuantized")
+        if not lone_query:
+            fusions[WIDENED_MATMULS] = widen_one_row_matmuls(model)
         carried = dict(gguf_blocks.carried) if gguf_blocks is not None else {}
     data_files = _data_files(model)
     omit_unused_statistics(model)
