@@ -17,7 +17,7 @@ HEAD_ARGS ?= --prompts 736 --instructions 2000 --answer-with source --dialogues 
 HEAD3 := heads/smollm2-135m-instruct-eagle3
 HEAD3_PACKAGE := packages/smollm2-k0
 HEAD3_ARGS ?= --magpie 16 --prompts 0 --instructions 0 --dialogues 150 --max-new-tokens 128 \
-  --ttt-steps 1 --draft-vocab 4096 --epochs 2 --lr 1e-3 --threads 1
+  --ttt-steps 1 --draft-vocab 4096 --epochs 20 --lr 1e-3 --threads 1
 SERVE_PACKAGE := packages/smollm2-k0_4-fbs4
 CHAT_PROMPT := examples/chat.txt
 export HF_HUB_OFFLINE := 1
