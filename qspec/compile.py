@@ -328,8 +328,9 @@ def _write_files(folder: Path, exported: _Exported, graph: _Graph | None, option
     An fp32 runtime graph reads most of its weights from the vendor graph's data file (stored once), so that file
     is in every fp32 package; ``model.onnx`` itself only where the vendor graph ships."""
     vendor_files = sorted(exported.folder.glob(ONNX_FILE + "*")) if options.ships_vendor_graph else []
-    if graph is not None and graph.graph.vendor_data_file and not vendor_files:
-        vendor_files = [exported.folder / graph.graph.vendor_data_file]
+    if graph is not None and not vendor_files:  # the data file it reads: beside its own, or its only one (unfused)
+        reads = {graph.graph.vendor_data_file, graph.graph.data_file} & {ONNX_FILE + ".data"}
+        vendor_files = [exported.folder / name for name in sorted(reads)]
     for path in vendor_files:
         link_or_copy(path, folder / path.name)
     if graph is not None:
