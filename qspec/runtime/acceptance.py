@@ -136,12 +136,14 @@ class DraftGate:
     def __init__(self) -> None:
         self.share_ms = 0.0  # running mean of a drafting row's share of the drafting time
         self._rows: dict[Hashable, list[float]] = {}  # request -> [accepted, verified, paused steps, pause]
+        self.trials: list[bool] = []  # of the last open(): which keys draft on a trial step
 
     def open(self, keys: Iterable[Hashable], *, ms_per_token: float, per_token: float) -> list[bool]:
         """Which of ``keys`` draft this step (a paused request counts a step down)."""
-        out = []
+        out, self.trials = [], []
         for key in keys:
             row = self._rows.setdefault(key, [1.0, 1.0, 0.0, float(GATE_PAUSE)])  # a new request drafts
+            self.trials.append(row[2] == 1)
             if row[2] > 0:
                 row[2] -= 1
                 out.append(row[2] == 0)  # the last paused step is a trial

@@ -297,6 +297,12 @@ class Dispatcher:
             return k, [min(n, k) for n in lengths]
         chains = [self.chain(p) for p in proposals]
         k, depths = plan_by_cost(self.ks, self.prices.price, lengths, chains)
+        trials = self.gate.trials if len(self.gate.trials) == len(lengths) else [False] * len(lengths)
+        if any(t and n and not d for t, n, d in zip(trials, lengths, depths)):
+            # A gate's trial step measures whether the row's drafting pays again: it verifies at least one draft,
+            # or a row priced out once would never be measured again.
+            depths = [max(d, min(n, 1)) if t else d for t, n, d in zip(trials, lengths, depths)]
+            k = max(k, pick_k(self.ks, max(depths)))
         self.rate = expected_tokens(depths, chains) / self.prices.price(k, len(lengths) + sum(depths))
         if any(depths):
             self._unverified = 0
@@ -350,7 +356,7 @@ class Dispatcher:
     def drafting(self, keys: Sequence, *, greedy: bool) -> list[bool]:
         """Which requests draft this step: all, but on a ``cost`` step only those whose drafting pays
         (:class:`DraftGate`: the ms their accepted drafts save against the ms drafting and verifying them costs)."""
-        self._drafting = set()
+        self._drafting, self.gate.trials = set(), []
         if self.k_max == 0 or self.step_mode(greedy=greedy) != "cost":
             return [True] * len(keys)
         if len(self.gate) > 4 * len(keys) + 16:  # finished requests
