@@ -327,7 +327,8 @@ def widen_one_row_matmuls(model) -> int:
         if out.is_graph_output():
             outputs = model.graph.outputs
             outputs[outputs.index(out)] = cut.outputs[0]
-            name, out.name = out.name, None
+            name = out.name
+            out.name = f"{name}_widened"
             cut.outputs[0].name = name
     return len(nodes)
 
