@@ -79,7 +79,7 @@ def run(package, prompts, **engine_options):
 )
 def test_eagle3_greedy_equals_none(package, ks, weight_format, fbs):
     """Greedy `eagle` and `eagle3` equal `none` of the same package token for token (batch 4 under continuous
-    batching with six requests admitted as slots free), with drafts proposed and accepted."""
+    batching with six requests admitted as slots free), with drafts proposed (and accepted at fp32)."""
     folder = package(ks, weight_format, fbs)
     prompts = PROMPTS + MORE if fbs else PROMPTS
     plain, _ = run(folder, prompts, method="none", max_batch_size=1)
@@ -88,7 +88,10 @@ def test_eagle3_greedy_equals_none(package, ks, weight_format, fbs):
             spec, metrics = run(folder, prompts, method=method, dispatch=dispatch)
             assert spec == plain, (method, dispatch)
     _, covered = run(folder, prompts, method="eagle", dispatch="cover")
-    assert covered.proposed > 0 and covered.accepted > 0
+    assert covered.proposed > 0
+    # The head drafts the fp32 model's most frequent greedy tokens; an int4 package (its untied embedding block-
+    # quantized too) writes others, so only fp32 is sure to accept drafts (int4 acceptance: test_weight_formats).
+    assert covered.accepted > 0 or weight_format != "fp32"
 
 
 def test_eagle3_package_records_its_kind(package, head):

@@ -150,7 +150,8 @@ def _connect(ray, address: str | None) -> bool:
         if address:
             ray.init(address=address, log_to_driver=False)
             return False
-        ray.init(include_dashboard=False, log_to_driver=False)
+        # A local instance stays on loopback: its processes talk to each other, not to the network.
+        ray.init(include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
         return True
     except Exception as exc:  # ConnectionError, ValueError, RuntimeError, depending on what is wrong
         where = f"the Ray cluster at {address!r}" if address else "a local Ray instance"
