@@ -100,9 +100,12 @@ def test_every_matmul_weight_is_quantized_lm_head_included(packages, fmt):
     assert not (package / ONNX_FILE).exists()  # the vendor graph only with --backend qaic or --vendor-graph
 
 
-def test_fp32_runtime_graph_is_fused_and_keeps_the_contract(packages):
-    """fp32: RMSNorm and skip-RMSNorm fused, no MatMulNBits, same inputs and outputs as model.onnx."""
-    package = packages["fp32"]["0,4"]
+def test_fp32_runtime_graph_is_fused_and_keeps_the_contract(model, tmp_path):
+    """fp32: RMSNorm and skip-RMSNorm fused, no MatMulNBits, same inputs and outputs as model.onnx (shipped when
+    asked: an ort package holds no vendor graph by default)."""
+    config = make_config(num_speculative_tokens="0,4", prefill_seq_len=8, ctx_len=CTX)
+    options = CompileOptions(specialization=config, weight_format="fp32", vendor_graph=True)
+    package = compile_package(model, options, output=tmp_path / "fp32-vendor")[0]
     graph = read_manifest(package).runtime_graph
     assert graph.weight_format == "fp32" and graph.quantized_matmuls == 0
     assert graph.fusions["rms_normalization"] >= 1 and graph.fusions["skip_rms_normalization"] >= 1
