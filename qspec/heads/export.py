@@ -175,38 +175,39 @@ def medusa_dims(head) -> dict[str, list]:
 
 def trace_eagle(head, *, continuous_batching: bool, eagle3: bool = False):
     """The EAGLE-1 (or EAGLE-3) head as an ``onnx_ir`` model, float32 weights in memory."""
-    from torch.export import Dim
-
     from qspec.export.wrapper import hold_weights_input_major
 
     dims = eagle_dims(head, continuous_batching=continuous_batching)
     head = copy.deepcopy(head).float().eval()
     hold_weights_input_major(head)  # MatMul(x, W[in, out]): no Transpose to fold, quantizable as is
     wrapper = (Eagle3KVExplicit if eagle3 else EagleKVExplicit)(head, continuous_batching=continuous_batching).eval()
+    kv_heads, width = head.config.num_key_value_heads, head.layers[0].self_attn.head_dim
+    return export_kv_explicit(wrapper, head.config.hidden_size, (kv_heads, width), dims, continuous_batching)
+
+
+def export_kv_explicit(wrapper, hidden_size: int, kv: tuple[int, int], dims: dict, continuous_batching: bool):
+    """Trace a one-layer head ``wrapper`` with EAGLE's inputs (ids, positions, hidden states, batch index, its
+    one-layer KV of ``kv`` = (heads, head_dim)) and outputs, symbolic dimensions named by ``dims``."""
+    from torch.export import Dim
+
     batch, seq, ctx, rows = 3, 5, 19, 7  # distinct sizes, none equal to a fixed dimension
-    attn = head.layers[0].self_attn
-    kv = torch.zeros(rows if continuous_batching else batch, head.config.num_key_value_heads, ctx, attn.head_dim)
+    cache = torch.zeros(rows if continuous_batching else batch, kv[0], ctx, kv[1])
     b, s = Dim(contract.BATCH_SIZE, min=1), Dim(contract.SEQ_LEN, min=1)
     kv_rows = Dim(contract.FULL_BATCH_SIZE, min=1) if continuous_batching else b
     kv_shape = {0: kv_rows, 2: Dim(contract.CTX_LEN, min=2)}
     examples = [
         torch.zeros(batch, seq, dtype=torch.int64),
         torch.arange(seq).repeat(batch, 1),
-        torch.zeros(batch, seq, head.config.hidden_size),
+        torch.zeros(batch, seq, hidden_size),
     ]
     shapes = [{0: b, 1: s}, {0: b, 1: s}, {0: b, 1: s}]
     if continuous_batching:
         examples.append(torch.arange(batch, dtype=torch.int64)[:, None] * 2 % rows)
         shapes.append({0: b})
-    examples += [kv, kv.clone()]
+    examples += [cache, cache.clone()]
     shapes += [kv_shape, kv_shape]
-    model = _export(
-        wrapper,
-        examples,
-        shapes,
-        eagle_input_names(continuous_batching=continuous_batching),
-        eagle_output_names(),
-    )
+    names = eagle_input_names(continuous_batching=continuous_batching), eagle_output_names()
+    model = _export(wrapper, examples, shapes, *names)
     _name_dims(model, dims)
     return model
 

@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import copy
 
-import torch
 from torch import nn
 
 from qspec import contract
-from qspec.heads.export import _export, _last_real, _name_dims, eagle_input_names, eagle_output_names
+from qspec.heads.export import _last_real, export_kv_explicit
 
 
 class _BlockDecoder(nn.Module):
@@ -95,36 +94,11 @@ def mtp_attention_info(head, layer: int):
 
 def trace_mtp(head, layer: int, *, continuous_batching: bool):
     """MTP layer ``layer`` as an ``onnx_ir`` model, float32 weights in memory."""
-    from torch.export import Dim
-
     from qspec.export.wrapper import hold_weights_input_major
 
     dims = mtp_dims(head, continuous_batching=continuous_batching)
     head = copy.deepcopy(head).float().eval()
     hold_weights_input_major(head)  # MatMul(x, W[in, out]): no Transpose to fold, quantizable as is
     wrapper = MTPKVExplicit(head, layer, continuous_batching=continuous_batching).eval()
-    batch, seq, ctx, rows = 3, 5, 19, 7  # distinct sizes, none equal to a fixed dimension
-    kv = torch.zeros(rows if continuous_batching else batch, head.config.num_key_value_heads, ctx, head_dim(head))
-    b, s = Dim(contract.BATCH_SIZE, min=1), Dim(contract.SEQ_LEN, min=1)
-    kv_rows = Dim(contract.FULL_BATCH_SIZE, min=1) if continuous_batching else b
-    kv_shape = {0: kv_rows, 2: Dim(contract.CTX_LEN, min=2)}
-    examples = [
-        torch.zeros(batch, seq, dtype=torch.int64),
-        torch.arange(seq).repeat(batch, 1),
-        torch.zeros(batch, seq, head.config.hidden_size),
-    ]
-    shapes = [{0: b, 1: s}, {0: b, 1: s}, {0: b, 1: s}]
-    if continuous_batching:
-        examples.append(torch.arange(batch, dtype=torch.int64)[:, None] * 2 % rows)
-        shapes.append({0: b})
-    examples += [kv, kv.clone()]
-    shapes += [kv_shape, kv_shape]
-    model = _export(
-        wrapper,
-        examples,
-        shapes,
-        eagle_input_names(continuous_batching=continuous_batching),
-        eagle_output_names(),
-    )
-    _name_dims(model, dims)
-    return model
+    kv = (head.config.num_key_value_heads, head_dim(head))
+    return export_kv_explicit(wrapper, head.config.hidden_size, kv, dims, continuous_batching)
