@@ -30,6 +30,10 @@ PrefillSeqLenOption = Annotated[int, typer.Option(help="Tokens per prefill call.
 CtxLenOption = Annotated[int, typer.Option(help="KV cache length (prompt + output).")]
 BatchSizeOption = Annotated[int, typer.Option(help="Rows per prefill call.")]
 FullBatchSizeOption = Annotated[Optional[int], typer.Option(help="KV slots for continuous batching.")]
+KvCacheBatchSizeOption = Annotated[
+    Optional[int],
+    typer.Option(help="KV slots when more than --full-batch-size (those decode per step; the rest keep prefixes)."),
+]
 SpecFormatOption = Annotated[str, typer.Option(help="specializations.json format: flat or named.")]
 CclPrefillOption = Annotated[
     Optional[str], typer.Option(help="Compute-context-length buckets of the prefill shapes, e.g. 256,1024.")

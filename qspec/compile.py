@@ -150,11 +150,11 @@ def qaic_ccl_rule(options: CompileOptions) -> SpecializationConfig:
 
 
 def default_output(model: str | os.PathLike[str], options: CompileOptions) -> Path:
-    """``packages/<model name>-k<Ks>[-fbs<F>]`` under the working directory."""
+    """``packages/<model name>-k<Ks>[-fbs<F>][-kv<N>]`` under the working directory."""
     name = Path(str(model).rstrip("/")).name.removesuffix(".gguf")
     ks = "_".join(str(k) for k in options.specialization.num_speculative_tokens)
-    fbs = options.specialization.full_batch_size
-    suffix = f"-fbs{fbs}" if fbs else ""
+    fbs, kv = options.specialization.full_batch_size, options.specialization.kv_cache_batch_size
+    suffix = (f"-fbs{fbs}" if fbs else "") + (f"-kv{kv}" if kv else "")
     layers = f"-l{options.num_layers}" if options.num_layers else ""
     weights = f"-{options.weight_format}" if options.weight_format != "fp32" else ""
     return Path("packages") / f"{name}{layers}{weights}-k{ks}{suffix}"

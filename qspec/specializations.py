@@ -9,7 +9,10 @@ A statically compiled accelerator runs only the shapes it was compiled for. qspe
 
 The K list is sorted and de-duplicated; a specialization is dropped only when it is identical, key
 for key, to one already emitted. With continuous batching (``full_batch_size`` = FBS) prefill runs
-``batch_size`` rows into an FBS-slot KV cache and decode runs ``batch_size = FBS``.
+``batch_size`` rows into an FBS-slot KV cache and decode runs ``batch_size = FBS``. QEfficient's
+``kv_cache_batch_size`` = N > FBS gives the KV cache N slots (the ``full_batch_size`` symbol of every
+shape is then N) while decode still runs FBS rows, each picking its slot with ``batch_index``: the
+extra slots keep finished requests' KV for prefix reuse.
 
 The keys are the symbolic dimension names of the ONNX graph (:mod:`qspec.contract`). Inside qspec a
 :class:`Specialization` holds integers; only the writer (:mod:`qspec.spec_file`) turns them into
@@ -171,6 +174,7 @@ class SpecializationConfig(FrozenModel):
     ctx_len: int = Field(default=128, ge=1)
     batch_size: int = Field(default=1, ge=1)
     full_batch_size: int | None = Field(default=None, ge=1)
+    kv_cache_batch_size: int | None = Field(default=None, ge=1)  # KV slots, when more than full_batch_size
     speculative: bool = True  # the graph has the num_logits_to_keep input
     # Compute-context-length buckets (QEfficient's names): each prefill / decode shape is compiled once
     # per bucket and attends only to that many KV slots. ``ccl_rule`` turns the given lists into the
@@ -232,6 +236,17 @@ class SpecializationConfig(FrozenModel):
                 "KV cache holds full_batch_size sequences, so it must hold every prefill row; "
                 "raise full_batch_size or lower batch_size"
             )
+        if self.kv_cache_batch_size is not None:
+            if self.full_batch_size is None:
+                raise ValueError(
+                    f"kv_cache_batch_size {self.kv_cache_batch_size} needs continuous batching: give "
+                    "full_batch_size too (the sequences decoded per step)"
+                )
+            if self.kv_cache_batch_size < self.full_batch_size:
+                raise ValueError(
+                    f"kv_cache_batch_size {self.kv_cache_batch_size} < full_batch_size {self.full_batch_size}: "
+                    "every sequence decoded in a step needs a KV slot; raise kv_cache_batch_size"
+                )
         if not self.speculative and self.num_speculative_tokens != (0,):
             raise ValueError(
                 f"num_speculative_tokens {list(self.num_speculative_tokens)} needs a speculative "
@@ -275,6 +290,12 @@ class SpecializationConfig(FrozenModel):
     def continuous_batching(self) -> bool:
         """True when the KV cache has ``full_batch_size`` slots (continuous batching)."""
         return self.full_batch_size is not None
+
+    @property
+    def kv_slots(self) -> int | None:
+        """KV slots of a continuous-batching cache (the shapes' ``full_batch_size`` symbol), None without one:
+        ``kv_cache_batch_size`` when given, else ``full_batch_size``."""
+        return self.kv_cache_batch_size or self.full_batch_size
 
     @property
     def comp_ctx_lengths(self) -> bool:
@@ -321,7 +342,7 @@ def prefill_specialization(config: SpecializationConfig, ccl: int | None = None)
         seq_len=config.prefill_seq_len,
         ctx_len=config.ctx_len,
         num_logits_to_keep=1 if config.speculative else None,
-        full_batch_size=config.full_batch_size,
+        full_batch_size=config.kv_slots,
         comp_ctx_lengths=ccl,
     )
 
@@ -332,7 +353,7 @@ def decode_specialization(config: SpecializationConfig, k: int, ccl: int | None 
         seq_len=k + 1,
         ctx_len=config.ctx_len,
         num_logits_to_keep=k + 1 if config.speculative else None,
-        full_batch_size=config.full_batch_size,
+        full_batch_size=config.kv_slots,
         comp_ctx_lengths=ccl,
     )
 
@@ -352,7 +373,8 @@ def build_specializations(config: SpecializationConfig) -> list[Specialization]:
     With ``prefill_seq_len=1`` the K=0 shape equals the prefill shape and is dropped; with
     ``prefill_seq_len=2`` and K=1 it is kept, since ``num_logits_to_keep`` is 1 vs 2. With
     ``full_batch_size=4`` prefill keeps ``batch_size=1`` and decode runs ``batch_size=4``; both
-    carry ``full_batch_size=4``.
+    carry ``full_batch_size=4``; adding ``kv_cache_batch_size=8`` keeps those batch sizes and makes both
+    carry ``full_batch_size=8`` (QEfficient's specializations for the same options).
 
     With compute-context-length buckets, one prefill shape per prefill bucket, then the decode
     shapes of every K for each decode bucket, buckets ascending and ctx_len always one of them:

@@ -25,13 +25,16 @@ PROMPTS = ["abcabcabcabc", "hello hello hello", "xyz"]
 
 @pytest.fixture(scope="module")
 def packages(tiny_model, tmp_path_factory):
-    """Two packages compiled for qaic by the stand-in compiler: batch 1, K 0,4; continuous batching (3 slots), K 0,2."""
+    """Two packages compiled for qaic by the stand-in compiler: batch 1, K 0,4; continuous batching, K 0,2, with
+    more KV slots (3) than decode rows (2): QEfficient's kv_cache_batch_size."""
     root = tmp_path_factory.mktemp("qaic-runtime")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("QAIC_COMPILE", str(TESTS / "fake_qaic" / "qaic-compile"))
         built = {}
-        for name, ks, fbs in (("b1", "0,4", None), ("cb", "0,2", 3)):
-            spec = make_config(num_speculative_tokens=ks, ctx_len=64, prefill_seq_len=8, full_batch_size=fbs)
+        for name, ks, fbs, kv in (("b1", "0,4", None, None), ("cb", "0,2", 2, 3)):
+            spec = make_config(
+                num_speculative_tokens=ks, ctx_len=64, prefill_seq_len=8, full_batch_size=fbs, kv_cache_batch_size=kv
+            )
             options = CompileOptions.create(specialization=spec, backend="qaic")
             built[name], manifest, _ = compile_package(tiny_model("llama"), options, output=root / name)
             assert manifest.qaic.ran
@@ -61,10 +64,26 @@ def tokens(package, backend: str, method: str) -> list[list[int]]:
 
 @pytest.mark.parametrize("name", ["b1", "cb"])
 def test_engine_on_qaic_gives_the_ort_tokens(packages, qaic_runtime, name):
-    """Greedy pld and none on the QAIC session equal plain greedy on ONNX Runtime, token for token."""
+    """Greedy pld and none on the QAIC session equal plain greedy on ONNX Runtime, token for token (on "cb" three
+    prompts in 3 KV slots, 2 a call: the vendor graph's padding rows point at the slot no live row writes)."""
     reference = tokens(packages[name], "ort", "none")
     assert tokens(packages[name], "qaic", "none") == reference
     assert tokens(packages[name], "qaic", "pld") == reference
+
+
+def test_kv_cache_batch_size_in_the_vendor_files(packages):
+    """The qaic package's specializations.json is QEfficient's for full_batch_size 2, kv_cache_batch_size 3:
+    decode rows 2, the full_batch_size symbol 3 in every shape; the compile script passes that file."""
+    import json
+
+    specs = json.loads((packages["cb"] / "specializations.json").read_text())["specializations"]
+    assert [(s["batch_size"], s["seq_len"], s["full_batch_size"]) for s in specs] == [
+        ("1", "8", "3"),
+        ("2", "1", "3"),
+        ("2", "3", "3"),
+    ]
+    argv = json.loads((packages["cb"] / "qpc" / "fake_qaic_argv.json").read_text())
+    assert "-network-specialization-config=specializations.json" in argv["argv"]
 
 
 def test_kv_is_skipped_and_never_read_back(packages, qaic_runtime):

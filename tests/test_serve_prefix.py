@@ -1,5 +1,6 @@
 """Prefix reuse: a finished request's KV stays in its slot and the next request that starts with its tokens
-prefills only the rest; answers equal a cold server's, on a tiny random model."""
+prefills only the rest; answers equal a cold server's, on a tiny random model whose KV cache has more slots
+than its decode calls have rows (``--kv-cache-batch-size``): idle slots keep more conversations warm."""
 
 from __future__ import annotations
 
@@ -18,22 +19,28 @@ SYSTEM = "You answer in letters. " * 3  # a long shared prefix: several prefill 
 
 @pytest.fixture(scope="module")
 def package(tiny_model, tmp_path_factory):
-    """The tiny llama with K in [0, 4], 4 KV slots, 8-token prefill chunks (a reused prefix ends mid-chunk)."""
-    config = make_config(num_speculative_tokens="0,4", prefill_seq_len=8, ctx_len=CTX * 4, full_batch_size=4)
+    """The tiny llama with K in [0, 4], 2 sequences decoded per call in 6 KV slots, 8-token prefill chunks (a
+    reused prefix ends mid-chunk)."""
+    config = make_config(
+        num_speculative_tokens="0,4", prefill_seq_len=8, ctx_len=CTX * 4, full_batch_size=2, kv_cache_batch_size=6
+    )
     folder = tmp_path_factory.mktemp("serve-prefix") / "pkg"
     return compile_package(tiny_model("llama"), CompileOptions(specialization=config), output=folder)[0]
 
 
 def test_common_prefix_and_slot_choice():
-    """The longest shared prefix wins; without one the least recently released slot; never the whole prompt."""
+    """A slot the prompt extends whole first (an unused one before another conversation's), then the longest
+    shared prefix, then the least recently released slot; never the whole prompt."""
     assert common_prefix([1, 2, 3], [1, 2, 4]) == 2 and common_prefix([], [1]) == 0
-    cache = PrefixCache(3, enabled=True)
+    cache = PrefixCache(4, enabled=True)
     cache.release(0, [5, 6, 7])
     cache.release(1, [1, 2, 3, 4])
-    assert cache.take([1, 2, 9], free=[0, 1, 2]) == (1, 2)
-    assert cache.take([8, 8], free=[0, 2]) == (2, 0)  # slot 2 was never used: emptiest first
+    cache.release(3, [1, 2, 3, 5])
+    assert cache.take([1, 2, 3, 4, 8], free=[0, 1, 2, 3]) == (1, 4)  # its own slot
+    assert cache.take([1, 2, 9], free=[0, 2, 3]) == (2, 0)  # slot 2 is unused: slot 3's conversation stays
+    assert cache.take([1, 2, 9], free=[0, 3]) == (3, 2)  # the longest shared prefix
     assert cache.take([5, 6, 7], free=[0]) == (0, 2)  # the last prompt token is prefilled again
-    assert (cache.queries, cache.hits) == (8, 4)
+    assert (cache.queries, cache.hits) == (14, 8)
     off = PrefixCache(2, enabled=False)
     off.release(1, [1, 2, 3])
     assert off.take([1, 2, 3, 4], free=[0, 1]) == (0, 0) and off.queries == 0
@@ -84,6 +91,31 @@ def test_engine_prefix_cache_equals_plain(package):
     again = [o.token_ids for o in warm_engine.generate(prompts, params)]
     assert warm == cold and again == cold
     assert warm_engine.prefix.hits > 0
+
+
+def test_kv_slots_beyond_the_decode_batch(package):
+    """`--kv-cache-batch-size 6 --full-batch-size 2`: QEfficient's specializations (decode rows 2, every shape's
+    full_batch_size symbol 6) in the package's specializations.json; the engine runs 2 requests at once and
+    keeps 5 conversations warm: their next turns reuse every token of the first, answers equal to plain."""
+    import json
+
+    specs = [s for s in json.loads((package / "specializations.json").read_text())["specializations"]]
+    assert [(s["batch_size"], s["seq_len"], s["full_batch_size"]) for s in specs] == [
+        ("1", "8", "6"),
+        ("2", "1", "6"),
+        ("2", "5", "6"),
+    ]
+    plain = Engine(package, method="none")
+    warm = Engine(package, method="pld", prefix_cache=True)
+    assert (warm.num_slots, warm.kv_slots) == (2, 6)
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    firsts = [f"{SYSTEM}{i}" for i in range(5)]
+    turn1 = warm.generate(firsts, params)
+    seconds = [o.prompt_token_ids + o.token_ids + warm.tokenizer.encode(" more") for o in turn1]
+    hits = warm.prefix.hits
+    turn2 = warm.generate(seconds, params)
+    assert warm.prefix.hits - hits == sum(len(o.prompt_token_ids) + 7 for o in turn1)  # the last token is not kept
+    assert [o.token_ids for o in turn1 + turn2] == [o.token_ids for o in plain.generate(firsts + seconds, params)]
 
 
 def test_engine_prefix_reuse_with_aborts_equals_plain(package):

@@ -158,6 +158,11 @@ class DraftProposer(Proposer):
                 f"draft package {self.model.package} has decode Ks {self.model.ks} but the draft runs "
                 "seq_len=1 calls; recompile it with --num-speculative-tokens 0"
             )
+        if self.model.decode_rows != self.model.rows:  # its calls run a row per slot
+            raise ConfigError(
+                f"draft package {self.model.package} has more KV slots than decode rows; recompile the draft "
+                "without --kv-cache-batch-size"
+            )
         self.decode: Binding = self.model.decode[0]
         self.ctx_len = self.model.ctx_len
         self.num_draft_tokens = num_draft_tokens

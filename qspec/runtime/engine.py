@@ -40,7 +40,7 @@ from qspec.package import TOKENIZER_DIR
 from qspec.runtime.dispatch import Dispatcher, check_mode, restrict_ks
 from qspec.runtime.load import load_model
 from qspec.runtime.metrics import EngineMetrics, aggregate
-from qspec.runtime.prefill import PrefillRow, run_prefill
+from qspec.runtime.prefill import PrefillRow, place_rows, run_prefill
 from qspec.runtime.prefix import PrefixCache
 from qspec.runtime.proposal import Proposal, Proposer
 from qspec.runtime.proposers import HEAD_METHODS, METHOD_ALIASES, make_proposer
@@ -104,7 +104,8 @@ class Engine:
         ``dispatch``: ``cover`` runs the smallest K covering the longest proposal; ``cost`` the K
         with the most expected tokens per ms; ``auto`` (default) is ``cost`` for greedy steps where a
         verified draft costs, ``cover`` otherwise (the rule: :class:`~qspec.runtime.dispatch.Dispatcher`).
-        ``max_batch_size`` caps the sequences in flight (default: every KV slot of the package).
+        ``max_batch_size`` caps the sequences in flight (default: the rows of the package's decode shapes, its
+        ``full_batch_size``); KV slots beyond them (``qspec compile --kv-cache-batch-size``) keep prefixes.
         ``backend``: where the package runs, ``ort`` (ONNX Runtime, CPU) or ``qaic`` (its QPC on Cloud
         AI 100, :mod:`qspec.runtime.qaic_session`); the engine is the same on both.
         ``force_accept`` is a testing knob: accept exactly ``min(n, force_accept)`` drafts whatever
@@ -127,12 +128,13 @@ class Engine:
             raise ConfigError(f"method {method} reads hidden states: {package} has none; compile it with --draft-head")
         self.ks = restrict_ks(self.model.ks, num_speculative_tokens)
         self.k_max = self.ks[-1] if method != "none" else 0
-        slots = self.model.rows
+        slots = self.model.decode_rows
         if max_batch_size is not None:
             if not 1 <= max_batch_size <= slots:
-                raise ConfigError(f"max_batch_size {max_batch_size} must be in [1, {slots}] (the package's KV slots)")
+                raise ConfigError(f"max_batch_size {max_batch_size} must be in [1, {slots}] (the decode rows)")
             slots = max_batch_size
-        self.num_slots = slots
+        self.num_slots = slots  # sequences in flight; the KV slots beyond them keep finished requests' prefixes
+        self.kv_slots = self.model.rows
         model = self.model
         self.proposer.check_target(vocab_size=model.vocab_size, ctx_len=model.ctx_len, num_slots=self.num_slots)
         if force_accept is not None and force_accept < 0:
@@ -144,12 +146,12 @@ class Engine:
         self.calls: dict[Any, int] = {"prefill": 0, **{k: 0 for k in self.ks}}  # since load
         self.seconds = dict.fromkeys(("prefill", "decode", "propose"), 0.0)  # since load (EngineMetrics.seconds)
         self._waiting: deque[SequenceState] = deque()
-        self._slots: list[SequenceState | None] = [None] * self.num_slots
+        self._slots: list[SequenceState | None] = [None] * self.kv_slots
         # Admitted while other rows decode: their prompts go a chunk per decode call (mixed calls).
         self._prefilling: list[SequenceState] = []
         self.mixed_calls = 0  # decode calls since load that also carried prompt chunks (counted under their K too)
         self._updated: dict[int, SequenceState] = {}  # requests with news for the next delta
-        self.prefix = PrefixCache(self.num_slots, enabled=prefix_cache and not self.proposer.wants_hidden_states)
+        self.prefix = PrefixCache(self.kv_slots, enabled=prefix_cache and not self.proposer.wants_hidden_states)
         self._next_id = 0
         self.dispatcher = self.warmup(dispatch)
         self.proposer.limit_depth(self.dispatcher.useful_depth)
@@ -211,21 +213,25 @@ class Engine:
         """One call of the ``seq_len = k + 1`` specialization; logits ``[rows, k + 1, vocab]`` and, on a package
         with the ``hidden_states`` output, the hidden states ``[rows, seq_len, hidden]`` (left-aligned). With
         ``chunks`` (``(seq, start, tokens)`` of prompts being prefilled) the call is that shape made as wide
-        as a prefill chunk (:meth:`LoadedModel.mixed_for`); a chunk's last logits are ``[seq.slot, -1]``."""
+        as a prefill chunk (:meth:`LoadedModel.mixed_for`); a chunk's last logits are ``[seq.row, -1]``. Each
+        sequence's call row is ``seq.row`` (:func:`~qspec.runtime.prefill.place_rows`: its KV slot, or with more
+        KV slots than rows the next row, ``batch_index`` pointing at the slot)."""
         end = max([seq.position + len(drafts) + 1 for seq, drafts in batch] + [s + len(t) for _, s, t in chunks])
         if chunks:
             bound = self.model.mixed_for(k, max(k + 1, self.model.prefill.spec.seq_len), end)
         else:
             bound = self.model.decode_for(k, end)
         bound.reset()
-        for seq, drafts in batch:
-            n = len(drafts)
-            bound.input_ids[seq.slot, 0] = seq.last
-            bound.input_ids[seq.slot, 1 : n + 1] = drafts
-            bound.position_ids[seq.slot, : n + 1] = np.arange(seq.position, seq.position + n + 1)
-        for seq, start, tokens in chunks:
-            bound.input_ids[seq.slot, : len(tokens)] = tokens
-            bound.position_ids[seq.slot, : len(tokens)] = np.arange(start, start + len(tokens))
+        rows = place_rows(self.model, bound, [seq.slot for seq, _ in batch] + [seq.slot for seq, _, _ in chunks])
+        for (seq, drafts), row in zip(batch, rows):
+            n, seq.row = len(drafts), row
+            bound.input_ids[row, 0] = seq.last
+            bound.input_ids[row, 1 : n + 1] = drafts
+            bound.position_ids[row, : n + 1] = np.arange(seq.position, seq.position + n + 1)
+        for (seq, start, tokens), row in zip(chunks, rows[len(batch) :]):
+            seq.row = row
+            bound.input_ids[row, : len(tokens)] = tokens
+            bound.position_ids[row, : len(tokens)] = np.arange(start, start + len(tokens))
         self.calls[k] += 1
         self.mixed_calls += bool(chunks)
         begin = time.perf_counter()
@@ -262,19 +268,19 @@ class Engine:
         hidden = hidden if self.proposer.wants_hidden_states else None
         for seq, start, tokens in chunks:
             if hidden is not None:
-                self.proposer.observe_hidden(seq.index, start, hidden[seq.slot, : len(tokens)])
+                self.proposer.observe_hidden(seq.index, start, hidden[seq.row, : len(tokens)])
             seq.prefilled = start + len(tokens)
             if seq.prefill_done:  # it decodes from the next step
                 self._prefilling.remove(seq)
-                self._first_token(seq, logits[seq.slot, -1:])
+                self._first_token(seq, logits[seq.row, -1:])
         for seq, proposal in batch:
             n = len(proposal)
-            row = logits[seq.slot, k - n : k + 1]  # right-aligned: the last n + 1 real tokens
+            row = logits[seq.row, k - n : k + 1]  # right-aligned: the last n + 1 real tokens
             tokens = self.accept(seq, proposal, row)
             seq.metrics.target_call(k, proposed=n, accepted=len(tokens) - 1)
             self.dispatcher.observe_row(seq.index, proposal, len(tokens) - 1)
             if hidden is not None:  # the rows of `last` and the accepted drafts: each precedes an emitted token
-                self.proposer.observe_hidden(seq.index, seq.position, hidden[seq.slot, : len(tokens)])
+                self.proposer.observe_hidden(seq.index, seq.position, hidden[seq.row, : len(tokens)])
             seq.position += len(tokens)  # `last` and the accepted drafts are now in the cache
             self._emit(seq, tokens, row)
 
@@ -364,9 +370,9 @@ class Engine:
             self._retire()
             decoding = any(seq is not None for seq in slots)
         mix = self.model.mixes_prefill and decoding
-        while self._waiting and None in slots:
+        while self._waiting and self._room():
             group = []
-            while self._waiting and None in slots and len(group) < per_call:
+            while self._waiting and self._room() and len(group) < per_call:
                 seq = self._waiting.popleft()
                 seq.slot, seq.prefilled = self.prefix.take(seq.prompt, [s for s, x in enumerate(slots) if x is None])
                 slots[seq.slot] = seq
@@ -377,6 +383,10 @@ class Engine:
                 continue
             self.prefill(group)
             self._retire()
+
+    def _room(self) -> bool:
+        """A waiting request may take a slot: fewer than ``num_slots`` in flight (a KV slot is then free)."""
+        return self.num_running < self.num_slots
 
     def _retire(self) -> None:
         now = time.perf_counter()

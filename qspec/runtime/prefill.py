@@ -27,20 +27,30 @@ class PrefillRow:
     start: int = 0
 
 
-def _placed(model, bound, rows: list[tuple[int, PrefillRow]], *, decode: bool) -> list[tuple[int, int]]:
-    """(row of the call, row index); sets a prefill binding's ``batch_index`` under continuous batching.
+def place_rows(model, bound, slots: Sequence[int]) -> list[int]:
+    """The call row of each KV slot of ``slots`` in a call of ``bound``; sets its ``batch_index``.
 
-    A decode binding keeps the engine's layout (call row = slot, ``batch_index`` the identity).
+    A call with a row per KV slot (no ``batch_index``, or as many rows as the cache has slots) runs each
+    slot on its own row. A narrower one (a prefill shape of ``batch_size`` < ``full_batch_size``, a decode
+    shape under ``kv_cache_batch_size``) gives the slots rows 0, 1, ... and points its padding rows at a
+    slot no live row of the call writes (padding rewrites what a slot holds: nothing changes there).
+    Example, 8 slots, 4 rows, slots ``[5, 2]``: rows ``[0, 1]``, ``batch_index`` ``[5, 2, 0, 0]``.
     """
-    if bound.batch_index is None or decode:  # one KV row per call row: a row's call row is its slot
-        return [(row.slot, i) for i, row in rows]
-    used = {row.slot for _, row in rows}
-    spare = next((s for s in range(model.rows) if s not in used), 0)
-    # Padding rows point at a slot no live row of this call writes (they rewrite its old values).
-    bound.batch_index[:, 0] = spare
-    for r, (_, row) in enumerate(rows):
-        bound.batch_index[r, 0] = row.slot
-    return [(r, i) for r, (i, _) in enumerate(rows)]
+    if bound.batch_index is None:
+        return list(slots)
+    rows = bound.spec.batch_size
+    if rows == model.rows:
+        bound.batch_index[:, 0] = np.arange(rows)
+        return list(slots)
+    used = set(slots)
+    bound.batch_index[:, 0] = next((s for s in range(model.rows) if s not in used), 0)
+    bound.batch_index[: len(slots), 0] = slots
+    return list(range(len(slots)))
+
+
+def _placed(model, bound, rows: list[tuple[int, PrefillRow]]) -> list[tuple[int, int]]:
+    """(row of the call, row index) of every ``(index, row)`` in ``rows`` (:func:`place_rows`)."""
+    return list(zip(place_rows(model, bound, [row.slot for _, row in rows]), (i for i, _ in rows)))
 
 
 def chunk_shape(model, rows: int, rest: int) -> int | None:
@@ -93,7 +103,7 @@ def run_prefill(model, rows: Sequence[PrefillRow], on_last: OnLast, on_hidden: O
             width = model.prefill.spec.seq_len if k is None else k + 1
             end = max(row.start + min(len(row.tokens), offset + width) for _, row in group)
             bound = model.prefill_for(end) if k is None else model.decode_for(k, end)
-            placed = _placed(model, bound, group, decode=k is not None)
+            placed = _placed(model, bound, group)
             bound.reset()
             for r, i in placed:
                 piece = rows[i].tokens[offset : offset + width]

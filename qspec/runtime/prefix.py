@@ -8,16 +8,19 @@ iff ``j <= p`` (the KV contract). A request that keeps the first ``n`` positions
 past the shared prefix; the shared positions hold the KV of the same tokens at the same positions.
 Padding writes back what its slot holds, so no chunk's padding (prefill or mixed) changes a kept prefix.
 
->>> cache = PrefixCache(2, enabled=True)
->>> cache.take([1, 2, 3], free=[0, 1])         # nothing cached: the least recently used slot, no reuse
+>>> cache = PrefixCache(3, enabled=True)
+>>> cache.take([1, 2, 3], free=[0, 1, 2])      # nothing cached: the least recently used slot, no reuse
 (0, 0)
 >>> cache.release(0, [1, 2, 3, 9, 9])           # the request's prompt and output are in slot 0's KV
->>> cache.take([1, 2, 3, 9, 7, 7], free=[0, 1])  # shares 4 tokens with slot 0: prefill 2
-(0, 4)
->>> cache.take([1, 2], free=[1])                # at least the last prompt token is prefilled (its logits)
+>>> cache.take([1, 2, 3, 9, 9, 7], free=[0, 1, 2])  # the next turn extends slot 0 whole: prefill 1
+(0, 5)
+>>> cache.release(0, [1, 2, 3, 9, 9, 7, 5])
+>>> cache.take([1, 2, 4], free=[0, 1, 2])       # another conversation: an unused slot, not slot 0's cache
 (1, 0)
+>>> cache.take([1, 2, 4], free=[0])             # no other slot left: the longest shared prefix
+(0, 2)
 >>> cache.queries, cache.hits
-(11, 4)
+(15, 7)
 """
 
 from __future__ import annotations
@@ -53,14 +56,17 @@ class PrefixCache:
     def take(self, prompt: Sequence[int], free: Sequence[int]) -> tuple[int, int]:
         """``(slot, reused)``: the free slot for ``prompt`` and how many of its first tokens are already there.
 
-        The slot sharing the longest prefix wins; without any, the least recently used (keeping warm
-        prefixes for their conversations). ``reused < len(prompt)``: the last token's logits are needed.
+        A slot whose cached tokens the prompt starts with whole (the conversation's own slot; an unused slot)
+        wins, the longest first: a prompt does not overwrite another conversation's prefix while a slot is
+        unused. Without one, the slot sharing the longest prefix, the least recently used on ties (keeping
+        warm prefixes for their conversations). ``reused < len(prompt)``: the last token's logits are needed.
         """
         if not self.enabled:
             return free[0], 0
-        shared = {slot: min(common_prefix(self._tokens[slot], prompt), len(prompt) - 1) for slot in free}
-        slot = max(free, key=lambda s: (shared[s], -self._used[s]))
-        reused = shared[slot]
+        common = {slot: common_prefix(self._tokens[slot], prompt) for slot in free}
+        whole = {slot: common[slot] == len(self._tokens[slot]) for slot in free}
+        slot = max(free, key=lambda s: (whole[s], common[s], -self._used[s]))
+        reused = min(common[slot], len(prompt) - 1)
         self.queries += len(prompt)
         self.hits += reused
         self._tokens[slot] = []  # its owner writes past the prefix from now on

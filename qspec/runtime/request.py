@@ -69,7 +69,8 @@ class SequenceState:
     index: int
     prompt: list[int]
     params: SamplingParams
-    slot: int = -1
+    slot: int = -1  # its KV slot
+    row: int = -1  # its row in the last decode call (the slot, unless the cache has more slots than a call rows)
     prefilled: int = 0  # prompt tokens written to the KV slot
     position: int = 0
     last: int = -1

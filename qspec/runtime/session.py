@@ -117,7 +117,8 @@ class LoadedModel(ABC):
         self.prefill_spec = self.prefill_specs[self.prefill_buckets[-1]]
         self.decode_specs = {k: self.bucket_specs[(k, self.decode_buckets[-1])] for k in self.ks}
         self.ctx_len = self.prefill_spec.ctx_len
-        self.rows = self.prefill_spec.full_batch_size or max(s.batch_size for s in specs)
+        self.rows = self.prefill_spec.full_batch_size or max(s.batch_size for s in specs)  # KV slots
+        self.decode_rows = self.decode_specs[self.ks[-1]].batch_size  # sequences a decode call runs (<= rows)
         self.continuous_batching = model.continuous_batching
         self.speculative = model.speculative
         self.vocab_size = model.vocab_size
