@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from qspec.compile import CompileOptions, compile_package
 from qspec.runtime import Engine, SamplingParams
@@ -119,9 +120,35 @@ def test_kuberay_manifest_names_a_working_builder():
     assert scaling.autoscaling and ServeOptions(**args).model_name == "smollm2"
 
 
+def test_metrics_of_replicas_add_up():
+    """Two replicas' expositions summed: every counter, gauge and histogram bucket is the sum of both."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from qspec.serve.metrics import ServeMetrics
+    from qspec.serve.ray_metrics import sum_expositions
+    from qspec.serve.ray_router import rank_for
+
+    def samples(text: str) -> dict:
+        families = text_string_to_metric_families(text)
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families for s in f.samples}
+
+    a, b = ServeMetrics(MODEL, [0, 4]), ServeMetrics(MODEL, [0, 4])
+    a.prefix_cache(10, 4)
+    b.prefix_cache(5, 1)
+    a.queue(running=1, waiting=2)
+    a.finished("length", 0.3)
+    b.finished("length", 2.0)
+    one, other = samples(a.render().decode()), samples(b.render().decode())
+    summed = samples(sum_expositions([a.render().decode(), b.render().decode()]))
+    assert summed == {key: value + other[key] for key, value in one.items() if not key[0].endswith("_created")}
+    assert summed[("qspec:prefix_cache_hits_total", (("model_name", MODEL),))] == 5
+    assert rank_for("chat-1", ["r1", "r2", "r3"]) == rank_for("chat-1", ["r3", "r1", "r2"])  # order-free
+
+
 def test_two_replicas_serve_a_load_and_stop_clean(package):
     """`--replicas 2`: concurrent clients, leavers and bad requests through one endpoint; every answer equals
-    offline greedy, no 5xx, both replicas answer; SIGINT: exit 0 and no process of it left."""
+    offline greedy, no 5xx, both replicas answer, a conversation's requests (x-session-id) one replica;
+    /metrics sums both replicas; SIGINT: exit 0 and no process of it left."""
     pytest.importorskip("ray.serve")
     port = free_port()
     cmd = [sys.executable, "-m", "qspec", "serve", str(package), "--replicas", "2", "--port", str(port),
@@ -170,6 +197,23 @@ def test_two_replicas_serve_a_load_and_stop_clean(package):
         assert [text for _, text, _ in answers] == refs
         assert [r.status_code for r in bad] == [404, 400] and all("error" in r.json() for r in bad)
         assert len({replica for _, _, replica in answers}) == 2, "one replica took every request"
+        for conversation in ("chat-a", "chat-b"):
+            body = {"model": MODEL, "prompt": "abc", "max_tokens": 4, "ignore_eos": True}
+            headers = {"x-session-id": conversation}
+            replicas = {
+                httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=60).headers["x-qspec-replica"]
+                for _ in range(4)
+            }
+            assert len(replicas) == 1, f"{conversation} went to {replicas}"
+        time.sleep(3)  # each replica posts its counters every 2 s
+        scrape = httpx.get(f"{url}/metrics", timeout=60).text
+        finished = sum(
+            s.value
+            for f in text_string_to_metric_families(scrape)
+            for s in f.samples
+            if s.name == "qspec:request_success_total"
+        )
+        assert finished == len(prompts) + 3 + 8, scrape  # answers, leavers, conversations: both replicas'
         below = descendants(proc.pid)
         assert below, "no Ray process under the server"
         proc.send_signal(signal.SIGINT)

@@ -3,9 +3,11 @@
 Each replica is the one-process server's FastAPI app (same routes, errors, streaming, /metrics), built
 inside a Ray Serve replica (``serve.ingress`` with ``__serve_build_asgi_app__``: the app, its engine
 and its engine thread are made on the replica, and Ray Serve runs the app's lifespan). Ray Serve's
-proxy listens on ``--host:--port`` and spreads requests over the replicas (its power-of-two-choices
-router: the replica with the shorter queue of two). Every response names its replica in the
-``x-qspec-replica`` header, and ``/metrics`` answers with the counters of the replica that took it.
+proxy listens on ``--host:--port`` and spreads requests over the replicas: a request with an
+``x-session-id`` header to the replica that key hashes to (its conversation's prefixes are there:
+:mod:`qspec.serve.ray_router`), others to the shorter queue of two. Every response names its replica
+in the ``x-qspec-replica`` header; ``/metrics`` answers with every replica's counters summed
+(:mod:`qspec.serve.ray_metrics`).
 
 A local Ray instance is started unless ``--ray-address`` (or ``RAY_ADDRESS``) names a cluster to join;
 SIGINT/SIGTERM delete the application and stop what this process started (Serve and the local
@@ -27,6 +29,7 @@ from qspec.errors import ConfigError
 
 APP_NAME = "qspec"
 REPLICA_HEADER = "x-qspec-replica"
+ROUTER = "qspec.serve.ray_router:ConversationRouter"  # a conversation's turns go to one replica
 
 
 class ReplicaOptions(FrozenModel):
@@ -54,7 +57,10 @@ class ReplicaOptions(FrozenModel):
 
     def deployment_options(self) -> dict:
         """Ray Serve's deployment options: a fixed count, or autoscaling between the bounds from ``replicas``."""
-        actor = {"ray_actor_options": {"num_cpus": self.cpus_per_replica}}
+        actor = {
+            "ray_actor_options": {"num_cpus": self.cpus_per_replica},
+            "request_router_config": {"request_router_class": ROUTER},
+        }
         if not self.autoscaling:
             return {"num_replicas": self.replicas, **actor}
         bounds = {
@@ -72,17 +78,23 @@ class EngineReplica:
         self.options_json = options_json
 
     def __serve_build_asgi_app__(self):
-        from fastapi import Request
+        from fastapi import Request, Response
+        from prometheus_client import CONTENT_TYPE_LATEST
         from ray import serve
 
+        from qspec.serve.ray_metrics import ReplicaMetrics
         from qspec.serve.server import ServeOptions, build
 
         app, self.worker = build(ServeOptions.model_validate_json(self.options_json))
         replica = serve.get_replica_context().replica_id.unique_id
+        self.metrics = ReplicaMetrics(replica, self.worker.metrics.render)
 
         @app.middleware("http")
         async def name_the_replica(request: Request, call_next):
-            response = await call_next(request)
+            if request.url.path == "/metrics" and request.method == "GET":  # every replica's counters, summed
+                response = Response(await self.metrics.summed(), media_type=CONTENT_TYPE_LATEST)
+            else:
+                response = await call_next(request)
             response.headers[REPLICA_HEADER] = replica
             return response
 
@@ -187,7 +199,18 @@ def serve_replicas(options, replica_options: ReplicaOptions, *, on_ready=None) -
             signal.signal(sig, handler)
         try:
             serve.delete(APP_NAME)
+            _delete_board(ray)
             if started_ray:
                 serve.shutdown()
         finally:
             ray.shutdown()
+
+
+def _delete_board(ray) -> None:
+    """The replicas' metrics board (:mod:`qspec.serve.ray_metrics`) goes with the application."""
+    from qspec.serve.ray_metrics import BOARD_NAME, NAMESPACE
+
+    try:
+        ray.kill(ray.get_actor(BOARD_NAME, namespace=NAMESPACE))
+    except ValueError:  # no replica made one
+        pass
