@@ -57,14 +57,13 @@ def conversation(client, turns: list[str], *, max_tokens: int = 12) -> list[str]
     return answers
 
 
-@pytest.mark.parametrize("method", ["none", "pld"])
-def test_conversation_equals_a_cold_server_and_counts_hits(package, method):
+def test_conversation_equals_a_cold_server_and_counts_hits(package):
     """A 4-turn conversation, then four at once: a server reusing prefixes answers what a server without
     (--no-prefix-cache) answers; /metrics counts the reused tokens, the cold server reuses none."""
     turns = ["abc abc", "def def def", "abc def", "xyz"]
     answers, hits = {}, {}
     for reuse in (True, False):
-        running = Server(package, method=method, prefix_cache=reuse, dispatch="cover")
+        running = Server(package, method="pld", prefix_cache=reuse, dispatch="cover")
         try:
             one = conversation(running.client, turns)
             with ThreadPoolExecutor(4) as pool:  # slots taken and retaken concurrently, chunks mixed with decodes

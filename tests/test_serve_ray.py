@@ -120,6 +120,16 @@ def test_kuberay_manifest_names_a_working_builder():
     assert scaling.autoscaling and ServeOptions(**args).model_name == "smollm2"
 
 
+def test_one_replica_imports_no_ray():
+    """`qspec serve` without --replicas (the CLI, the server, the app, the engine) loads no Ray module."""
+    code = (
+        "import sys, qspec_cli.serve, qspec.serve.server, qspec.serve.app, qspec.serve.replicas, qspec.runtime.engine; "
+        "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr
+
+
 def test_metrics_of_replicas_add_up():
     """Two replicas' expositions summed: every counter, gauge and histogram bucket is the sum of both."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -205,15 +215,15 @@ def test_two_replicas_serve_a_load_and_stop_clean(package):
                 for _ in range(4)
             }
             assert len(replicas) == 1, f"{conversation} went to {replicas}"
-        time.sleep(3)  # each replica posts its counters every 2 s
-        scrape = httpx.get(f"{url}/metrics", timeout=60).text
-        finished = sum(
-            s.value
-            for f in text_string_to_metric_families(scrape)
-            for s in f.samples
-            if s.name == "qspec:request_success_total"
-        )
-        assert finished == len(prompts) + 3 + 8, scrape  # answers, leavers, conversations: both replicas'
+        deadline = time.monotonic() + 15  # each replica posts its counters every 2 s
+        while True:
+            scrape = httpx.get(f"{url}/metrics", timeout=60).text
+            families = text_string_to_metric_families(scrape)
+            finished = sum(s.value for f in families for s in f.samples if s.name == "qspec:request_success_total")
+            if finished == len(prompts) + 3 + 8 or time.monotonic() > deadline:  # answers, leavers, conversations
+                break
+            time.sleep(0.5)
+        assert finished == len(prompts) + 3 + 8, scrape
         below = descendants(proc.pid)
         assert below, "no Ray process under the server"
         proc.send_signal(signal.SIGINT)
