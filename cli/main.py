@@ -258,7 +258,7 @@ def info(
 ) -> None:
     """Show what PACKAGE holds: the model, the K list, the specializations, the formats, the files."""
     with cli_errors():
-        from qspec.package import package_info
+        from qspec.package_info import package_info
 
         found = package_info(package, memory=memory)
         if as_json:

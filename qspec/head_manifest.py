@@ -27,7 +27,7 @@ from typing import Literal
 import numpy as np
 from pydantic import Field, ValidationError
 
-from qspec.backends.qaic import QaicResult
+from qspec.backend_records import QaicResult
 from qspec.common import FrozenModel
 from qspec.errors import PackageError
 from qspec.spec_file import SpecFormat

@@ -143,7 +143,7 @@ def test_info_says_head_hidden_states_and_methods(package):
 
 def test_methods_a_head_adds():
     """A head adds its own method and its prompt-lookup combination, nothing of the other kind."""
-    from qspec.package import accepted_methods
+    from qspec.package_info import accepted_methods
 
     assert accepted_methods("eagle")[-2:] == ["eagle", "eagle+pld"]
     assert accepted_methods("medusa")[-2:] == ["medusa", "medusa+pld"]
