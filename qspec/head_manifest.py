@@ -79,7 +79,7 @@ class HeadManifest(FrozenModel):
     specializations: list[Specialization]
     specializations_file: str = "specializations.json"
     spec_format: SpecFormat = "flat"
-    backend: Literal["ort", "qaic"] = "ort"
+    backend: str = "ort"  # the compile backend (qspec.backends.registry.BACKENDS)
     qaic: QaicResult | None = None
     graph_bytes: int = 0  # head.onnx and its data
     runtime_graph_bytes: int = 0

@@ -40,7 +40,7 @@ SPECIALIZATIONS_FILE = "specializations.json"
 TOKENIZER_DIR = "tokenizer"
 MANIFEST_VERSION = 1
 
-Backend = Literal["ort", "qaic"]
+Backend = str  # a name of qspec.backends.registry.BACKENDS, checked where compile options are made
 # Precision of the MatMul weights in the graph the runtime loads (int8/int4: MatMulNBits, weight-only).
 WeightFormat = Literal["fp32", "int8", "int4"]
 # GroupQueryAttention's query tokens per row, at least (qspec.backends.ort_attention pads one-token calls):

@@ -8,7 +8,8 @@ import shutil
 import onnxruntime
 import pytest
 
-from qspec.compile import CompileOptions, check_ort, compile_package
+from qspec.backends.ort_compile import check_ort
+from qspec.compile import CompileOptions, compile_package
 from qspec.errors import CompileError
 from qspec.package import MANIFEST, ONNX_FILE, read_manifest, runtime_graph_file
 from qspec.specializations import make_config
