@@ -114,8 +114,8 @@ class Engine:
         self.ks = restrict_ks(self.model.ks, config.num_speculative_tokens)
         self.k_max = self.ks[-1] if method != "none" else 0
         self.num_slots = self._slots_for(config.max_batch_size)
-        model = self.model
-        self.proposer.check_target(vocab_size=model.vocab_size, ctx_len=model.ctx_len, num_slots=self.num_slots)
+        target = self.model
+        self.proposer.check_target(vocab_size=target.vocab_size, ctx_len=target.ctx_len, num_slots=self.num_slots)
         if config.force_accept is not None and config.force_accept < 0:
             raise ConfigError(f"force_accept {config.force_accept} must be >= 0")
         self.force_accept = config.force_accept
@@ -130,8 +130,7 @@ class Engine:
         self._prefilling: list[SequenceState] = []
         self.mixed_calls = 0  # decode calls since load that also carried prompt chunks (counted under their K too)
         self._updated: dict[int, SequenceState] = {}  # requests with news for the next delta
-        enabled = config.prefix_cache and not self.proposer.wants_hidden_states
-        self.prefix = PrefixCache(self.num_slots, enabled=enabled)
+        self.prefix = PrefixCache(self.num_slots, enabled=config.prefix_cache and not self.proposer.wants_hidden_states)
         self._next_id = 0
         self.dispatcher = self.warmup(config.dispatch)
         self.proposer.limit_depth(self.dispatcher.useful_depth)
