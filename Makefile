@@ -93,7 +93,7 @@ scale: install
 	  $(SCALE_ARGS)
 
 bench: install model peers
-	$(BIN)/qspec bench $(GGUF) --draft-head $(HEAD) --output bench-out
+	$(BIN)/qspec bench $(GGUF) --draft-head $(HEAD) --output bench-out --analysis
 	$(BIN)/python bench/targets.py bench-out/report.json --markdown bench-out/report.md
 
 # Plain decoding (no drafts): an int4 package compiled with K=0 only runs its one-token calls without the
@@ -101,10 +101,10 @@ bench: install model peers
 PLAIN_PACKAGE := packages/smollm2-int4-k0
 bench-plain: install model peers
 	$(BIN)/qspec compile $(GGUF) --num-speculative-tokens 0 --ctx-len 1024 --weight-format int4 --output $(PLAIN_PACKAGE)
-	$(BIN)/qspec bench $(PLAIN_PACKAGE) --k-lists 0 --methods none --no-baselines --output bench-out-plain
+	$(BIN)/qspec bench $(PLAIN_PACKAGE) --k-lists 0 --methods none --no-baselines --output bench-out-plain --analysis
 
 bench-full: install model peers
-	$(BIN)/qspec bench $(GGUF) --draft-head $(HEAD) --output bench-out-full --full
+	$(BIN)/qspec bench $(GGUF) --draft-head $(HEAD) --output bench-out-full --full --analysis
 	$(BIN)/python bench/targets.py bench-out-full/report.json --markdown bench-out-full/report.md
 
 # An OpenAI-compatible server on a package with 4 KV slots (continuous batching across requests);

@@ -71,8 +71,15 @@ def bench(
         ),
     ] = True,
     memory: Annotated[bool, typer.Option(help="Measure peak RSS per configuration, one process each.")] = True,
+    analysis: Annotated[
+        bool,
+        typer.Option(
+            "--analysis",
+            help="Also analyse: micro-benchmarks, head replays, speculation ceilings (what bench/targets.py reads).",
+        ),
+    ] = False,
     micro_iterations: Annotated[
-        Optional[int], typer.Option(help="Calls per specialization in the micro-benchmark; 0 = skip.")
+        Optional[int], typer.Option(help="With --analysis: calls per specialization in the micro-benchmark; 0 = skip.")
     ] = None,
     prefill_chunk_sizes: Annotated[
         Optional[str],
@@ -125,6 +132,7 @@ def bench(
             baselines=baselines,
             peers=peers,
             memory=memory,
+            analysis=analysis,
             micro_iterations=micro_iterations,
             prefill_chunk_sizes=prefill_chunk_sizes,
             round_size=round_size,

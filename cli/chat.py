@@ -47,21 +47,24 @@ def chat(
     """
     with cli_errors():
         from qspec.runtime import Engine, SamplingParams
+        from qspec.runtime.config import EngineConfig
         from qspec.runtime.conversation import Conversation
 
         params = SamplingParams.create(
             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed
         )
-        knobs = dict(
+        config = EngineConfig.create(
+            method=method,
+            dispatch=dispatch,
+            backend=backend,
+            num_threads=num_threads,
             prompt_lookup_min=prompt_lookup_min,
             prompt_lookup_max=prompt_lookup_max,
             draft_package=draft_package,
             draft_confidence_threshold=draft_confidence_threshold,
         )
         with status("loading the package"):
-            engine = Engine(
-                package, method=method, dispatch=dispatch, backend=backend, num_threads=num_threads, **knobs
-            )
+            engine = Engine(package, config)
         conversation = Conversation(system=system)
         conversation.prompt_ids(engine.tokenizer, ctx_len=engine.model.ctx_len, max_new_tokens=0)  # has a template
         console.print(f"[dim]{escape(package.name)} ({escape(engine.method)}). {escape(HELP)}[/]")

@@ -27,7 +27,7 @@ from typing import Literal
 import numpy as np
 from pydantic import Field, ValidationError
 
-from qspec.backends.qaic import QaicResult
+from qspec.backend_records import QaicResult
 from qspec.common import FrozenModel
 from qspec.errors import PackageError
 from qspec.spec_file import SpecFormat
@@ -79,7 +79,7 @@ class HeadManifest(FrozenModel):
     specializations: list[Specialization]
     specializations_file: str = "specializations.json"
     spec_format: SpecFormat = "flat"
-    backend: Literal["ort", "qaic"] = "ort"
+    backend: str = "ort"  # the compile backend (qspec.backends.registry.BACKENDS)
     qaic: QaicResult | None = None
     graph_bytes: int = 0  # head.onnx and its data
     runtime_graph_bytes: int = 0

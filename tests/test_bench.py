@@ -71,6 +71,7 @@ def bench_run(tiny_model, prompts_file, tmp_path_factory):
         "pld",
         "--k-lists",
         "4;0,4",
+        "--analysis",
         "--micro-iterations",
         "2",
         "--round-size",

@@ -52,7 +52,8 @@ def head_run(tiny_model, eagle_dir, tmp_path_factory):
     prompts.write_text("\n".join(json.dumps(p) for p in PROMPTS) + "\n")
     args = ["bench", str(tiny_model("llama")), "--draft-head", str(eagle_dir), "--output", str(out)]
     args += ["--prompts", str(prompts), "--per-category", "0", "--batch-per-category", "0", "--max-new-tokens", "12"]
-    args += ["--batch-sizes", "1,2", "--k-lists", "0,4", "--weight-formats", "fp32", "--micro-iterations", "2"]
+    args += ["--batch-sizes", "1,2", "--k-lists", "0,4", "--weight-formats", "fp32", "--analysis"]
+    args += ["--micro-iterations", "2"]
     args += ["--prefill-chunk-sizes", "", "--ctx-len", "128", "--prefill-seq-len", "8", "--packages-dir"]
     args += [str(out / "packages"), "--comp-ctx-lengths-prefill", "", "--comp-ctx-lengths-decode", ""]
     args += ["--no-baselines", "--no-peers"]

@@ -272,7 +272,7 @@ class _StoppedEngine:
 def test_ctrl_c_keeps_the_finished_results(capsys, as_json):
     """Ctrl-C during generate --prompts-file: the finished request is printed (in the JSON too), exit 130."""
     import typer
-    from qspec_cli.main import _run_generate
+    from qspec_cli.generate import _run_generate
 
     from qspec.runtime import SamplingParams
 

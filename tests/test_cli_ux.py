@@ -78,7 +78,7 @@ def _output(index: int, tokens: list[int], text: str, reason: str):
 
 def test_a_request_ending_at_once_is_warned_about(capsys):
     """A request whose first token is end of sequence gets a warning naming the fix; one with text none."""
-    from qspec_cli.main import _run_generate
+    from qspec_cli.generate import _run_generate
 
     from qspec.runtime import SamplingParams
 
@@ -108,7 +108,7 @@ def test_jsonl_prints_a_line_per_request_with_its_metrics(package, tmp_path):
 def test_jsonl_keeps_every_finished_request_on_ctrl_c(capsys):
     """Ctrl-C after one of three requests: its line is out, exit 130."""
     import typer
-    from qspec_cli.main import _run_generate
+    from qspec_cli.generate import _run_generate
 
     from qspec.runtime import SamplingParams
 
@@ -143,7 +143,7 @@ def test_info_says_head_hidden_states_and_methods(package):
 
 def test_methods_a_head_adds():
     """A head adds its own method and its prompt-lookup combination, nothing of the other kind."""
-    from qspec.package import accepted_methods
+    from qspec.package_info import accepted_methods
 
     assert accepted_methods("eagle")[-2:] == ["eagle", "eagle+pld"]
     assert accepted_methods("medusa")[-2:] == ["medusa", "medusa+pld"]
@@ -204,10 +204,12 @@ def test_cli_choices_are_the_librarys():
     from qspec_cli.common import Backend, Method, WeightFormat
 
     from qspec import package
+    from qspec.backends.registry import BACKENDS
+    from qspec.runtime.load import RUNTIME_BACKENDS
     from qspec.runtime.proposers import METHOD_ALIASES, PROPOSER_METHODS
 
     assert set(typing.get_args(Method)) == (set(PROPOSER_METHODS) - {"user"}) | set(METHOD_ALIASES)
-    assert typing.get_args(Backend) == typing.get_args(package.Backend)
+    assert typing.get_args(Backend) == tuple(BACKENDS) == RUNTIME_BACKENDS  # compile and runtime: the same names
     assert typing.get_args(WeightFormat) == typing.get_args(package.WeightFormat)
 
 

@@ -8,7 +8,8 @@ import shutil
 import onnxruntime
 import pytest
 
-from qspec.compile import CompileOptions, check_ort, compile_package
+from qspec.backends.ort_compile import check_ort
+from qspec.compile import CompileOptions, compile_package
 from qspec.errors import CompileError
 from qspec.package import MANIFEST, ONNX_FILE, read_manifest, runtime_graph_file
 from qspec.specializations import make_config
@@ -116,7 +117,7 @@ def test_an_ort_package_ships_the_vendor_graph_only_when_asked(tiny_model, packa
 def test_info_measures_bytes_on_disk_and_resident_memory_after_load(package):
     """`qspec info --memory` loads the package in a child process: its load adds at least the KV buffers, which
     are 2 x layers x [1, kv heads, ctx_len + slack for the longest call, head_dim] fp32; the files' bytes add up."""
-    from qspec.package import package_info
+    from qspec.package_info import package_info
 
     info = package_info(package, memory=True)
     manifest = read_manifest(package)

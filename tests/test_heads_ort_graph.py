@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 from qspec import contract  # noqa: E402
 from qspec.head_manifest import HEAD_ONNX, HEAD_ORT_ONNX  # noqa: E402
 from qspec.heads import export, modules, ort_graph  # noqa: E402
-from qspec.runtime.heads import HeadGraph  # noqa: E402
+from qspec.runtime.head_graph import HeadGraph  # noqa: E402
 from tests.test_heads_export import CTX, as_stored, compile_into  # noqa: E402
 from tests.test_heads_modules import randomize, tiny_target  # noqa: E402
 

@@ -7,7 +7,8 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from qspec.backends.ort_optimize import materialize_transposed_weights, quantize_matmuls, quantize_streamed
+from qspec.backends.ort_optimize import materialize_transposed_weights
+from qspec.backends.ort_quantize import quantize_matmuls, quantize_streamed
 from qspec.export import ExportOptions, export_model
 from qspec.export.exporter import ONNX_FILE
 from qspec.onnx_files import load_model

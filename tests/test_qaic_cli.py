@@ -62,7 +62,7 @@ def test_qaic_options_cannot_touch_an_ort_package(tmp_path):
     from qspec.specializations import make_config
 
     spec = make_config(num_speculative_tokens="0,4")
-    with pytest.raises(ConfigError, match="num_cores=8 is a qaic option: add --backend qaic"):
+    with pytest.raises(ConfigError, match="num_cores=8: qaic-only; add --backend qaic, or drop it for the ort backend"):
         CompileOptions.create(specialization=spec, qaic=QaicOptions(num_cores=8))
     ort = CompileOptions(specialization=spec)
     assert _inputs_key("d", ort) == _inputs_key("d", ort.model_copy(update={"qaic": QaicOptions(num_cores=8)}))

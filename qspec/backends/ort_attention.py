@@ -55,13 +55,21 @@ token, measured 5 % slower on fp32 and int4 K=0 calls: MatMuls of two rows cost 
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 
 from qspec import contract
 from qspec.backends import ort_plan, ort_tokens
-from qspec.backends.ort_tokens import builder, initializer
+from qspec.backends.ort_attention_nodes import (
+    full_norm,
+    head_norm,
+    packed_qkv,
+    pad_tokens,
+    projection_outputs,
+    retain,
+    to_kv_rows,
+    to_kv_slots,
+)
+from qspec.backends.ort_tokens import builder
 from qspec.package import MIN_QUERY_TOKENS, AttentionInfo
 
 MS_DOMAIN = "com.microsoft"
@@ -113,7 +121,7 @@ def fuse_attention(
 
     graph = model.graph
     inputs = {value.name: value for value in graph.inputs}
-    producers = _projection_outputs(graph)
+    producers = projection_outputs(graph)
     by_index = contract.BATCH_INDEX in inputs
     if (trim_rows or host_plan) and (by_index or pack_tokens):
         raise ValueError("trim_rows and host_plan are for a graph without batch_index, and not with pack_tokens")
@@ -146,33 +154,33 @@ def fuse_attention(
             q, k, v = (producers[prefix + name] for name in ("q_proj", "k_proj", "v_proj"))
         if attention.qk_norm:  # per-head RMSNorm before RoPE (the CPU kernel has no q/k norm inputs)
             q, k = (
-                _head_norm(graph, nodes, x, prefix + name, attention, n)
+                head_norm(graph, nodes, x, prefix + name, attention, n)
                 for x, name, n in ((q, "q_norm", attention.num_heads), (k, "k_norm", attention.num_kv_heads))
             )
         if attention.qk_norm_full:  # over all heads at once (OLMo 2)
             q, k = (
-                _full_norm(nodes, x, graph.initializers[prefix + name + ".weight"], attention)
+                full_norm(nodes, x, graph.initializers[prefix + name + ".weight"], attention)
                 for x, name in ((q, "q_norm"), (k, "k_norm"))
             )
         if pack_qkv and not (attention.qk_norm or attention.qk_norm_full) and k is not None:
-            q, k, v, heads = _packed_qkv(graph, nodes, (q, k, v), prefix), None, None, [sum(heads), 0, 0]
+            q, k, v, heads = packed_qkv(graph, nodes, (q, k, v), prefix), None, None, [sum(heads), 0, 0]
         if pack_tokens:  # the call's live tokens to their KV rows and slots, zero tokens up to `query` per row
             q, k, v = (
-                _to_kv_slots(nodes, x, shared["zeros"][n * attention.head_dim], shared, f"layers.{i}.{name}")
+                to_kv_slots(nodes, x, shared["zeros"][n * attention.head_dim], shared, f"layers.{i}.{name}")
                 if x is not None
                 else None
                 for x, n, name in zip((q, k, v), heads, "qkv")
             )
         elif by_index:  # the call's rows to their KV rows; the other KV rows are idle in this call
             q, k, v = (
-                _to_kv_rows(nodes, x, shared["zeros"][n * attention.head_dim], shared, f"layers.{i}.{name}")
+                to_kv_rows(nodes, x, shared["zeros"][n * attention.head_dim], shared, f"layers.{i}.{name}")
                 if x is not None
                 else None
                 for x, n, name in zip((q, k, v), heads, "qkv")
             )
         if not pack_tokens and padded:
             q, k, v = (
-                _padded(nodes, x, shared, f"layers.{i}.{name}") if x is not None else None
+                pad_tokens(nodes, x, shared, f"layers.{i}.{name}") if x is not None else None
                 for x, name in zip((q, k, v), "qkv")
             )
         past_key, past_value = inputs[contract.past_key(i)], inputs[contract.past_value(i)]
@@ -215,7 +223,7 @@ def fuse_attention(
             back = ir.node("GatherND", [gqa.outputs[0], shared["kv_slots"]], name=f"layers.{i}.live_tokens")
             nodes.append(back)
             o_proj.replace_input_with(0, back.outputs[0])
-            _retain(graph, outputs, (past_key, gqa.outputs[1]), (past_value, gqa.outputs[2]))
+            retain(graph, outputs, (past_key, gqa.outputs[1]), (past_value, gqa.outputs[2]))
             continue
         attended = gqa.outputs[0]
         if padded:  # the call's own tokens: drop the op's padding token (see MIN_QUERY_TOKENS)
@@ -229,7 +237,7 @@ def fuse_attention(
             nodes.append(back)
             attended = back.outputs[0]
         o_proj.replace_input_with(0, attended)  # an idle row's rows stay unspecified (see the module doc)
-        _retain(graph, outputs, (past_key, gqa.outputs[1]), (past_value, gqa.outputs[2]))
+        retain(graph, outputs, (past_key, gqa.outputs[1]), (past_value, gqa.outputs[2]))
     graph.extend(nodes)
     if pack_tokens:
         ort_tokens.pack_live_tokens(graph, inputs, shared)
@@ -248,140 +256,6 @@ def fuse_attention(
         if not value.uses() and value not in graph.outputs:
             graph.initializers.pop(name)
     return attention.num_layers
-
-
-def _retain(graph, outputs: dict, *pairs) -> None:
-    """The op's present K/V become the graph's ``_RetainedState`` outputs of their past buffers."""
-    for buffer, present in pairs:
-        index, old = outputs[contract.retained(buffer.name)]
-        present.name, present.shape, present.type = old.name, old.shape, old.type
-        old.name = None
-        graph.outputs[index] = present
-
-
-def _projection_outputs(graph) -> dict[str, object]:
-    """``{module path: its output value}`` for every ``MatMul(x, <path>.weight)`` (+ bias ``Add``)."""
-    found = {}
-    for node in graph:
-        if node.op_type != "MatMul" or len(node.inputs) != 2 or node.inputs[1] is None:
-            continue
-        name = node.inputs[1].name or ""
-        if not name.endswith(".weight") or not node.inputs[1].is_initializer():
-            continue
-        out = node.outputs[0]
-        users = list(out.uses())
-        if len(users) == 1 and users[0][0].op_type == "Add":  # a projection with a bias
-            add = users[0][0]
-            other = add.inputs[1 - users[0][1]]
-            if other is not None and other.is_initializer():
-                out = add.outputs[0]
-        found[name.removesuffix(".weight")] = out
-    return found
-
-
-def _packed_qkv(graph, nodes: list, outputs, prefix: str):
-    """``[batch, seq, (heads + 2 kv_heads) * head_dim]`` from one MatMul (+ bias Add) in place of three."""
-    import onnx_ir as ir
-
-    matmuls, biases = [], []
-    for out in outputs:
-        node = out.producer()
-        if node.op_type == "Add":  # MatMul + bias (see _projection_outputs)
-            biases.append(next(v for v in node.inputs if v.is_initializer()))
-            node = next(v for v in node.inputs if not v.is_initializer()).producer()
-        matmuls.append(node)
-
-    def packed(name: str, values, axis: int) -> ir.Value:
-        # Lazy: concatenated when written or quantized, so the graph never holds every layer's packed copy.
-        parts = [v.const_value for v in values]
-        dims = list(parts[0].shape)
-        dims[axis] = sum(part.shape[axis] for part in parts)
-
-        def concatenate():
-            array = np.concatenate([part.numpy() for part in parts], axis=axis)
-            for part in parts:  # unmap the parts read from the vendor graph's file: their pages count as ours
-                if isinstance(part, ir.ExternalTensor):
-                    with contextlib.suppress(BufferError):
-                        part.release()
-            return ir.tensor(array, name=name)
-
-        tensor = ir.LazyTensor(concatenate, dtype=parts[0].dtype, shape=ir.Shape(dims), name=name)
-        value = ir.Value(name=name, shape=ir.Shape(dims), type=ir.TensorType(tensor.dtype), const_value=tensor)
-        graph.register_initializer(value)
-        return value
-
-    weight = packed(prefix + "qkv_proj.weight", [m.inputs[1] for m in matmuls], axis=1)  # [in, q + k + v]
-    node = ir.node("MatMul", [matmuls[0].inputs[0], weight], name=prefix + "qkv_proj")
-    nodes.append(node)
-    if biases:
-        node = ir.node(
-            "Add", [node.outputs[0], packed(prefix + "qkv_proj.bias", biases, axis=0)], name=prefix + "qkv_bias"
-        )
-        nodes.append(node)
-    return node.outputs[0]
-
-
-def _to_kv_rows(nodes: list, x, zeros, shared: dict, name: str):
-    """``x`` ``[batch, seq, width]`` scattered to its ``batch_index`` rows of ``zeros`` ``[kv_rows, seq, width]``."""
-    import onnx_ir as ir
-
-    node = ir.node("ScatterND", [zeros, shared["batch_index"], x], name=f"{name}.to_kv_rows")
-    nodes.append(node)
-    return node.outputs[0]
-
-
-def _to_kv_slots(nodes: list, x, zeros, shared: dict, name: str):
-    """``x`` ``[1, live, width]`` (the call's live tokens) scattered to their KV rows and slots of ``zeros``."""
-    import onnx_ir as ir
-
-    node = ir.node("ScatterND", [zeros, shared["kv_slots"], x], name=f"{name}.to_kv_slots")
-    nodes.append(node)
-    return node.outputs[0]
-
-
-def _padded(nodes: list, x, shared: dict, name: str):
-    """``x`` ``[rows, seq, width]`` with zero tokens appended up to ``[rows, query, width]``."""
-    import onnx_ir as ir
-
-    node = ir.node("Pad", [x, shared["query_pads"]], name=f"{name}.to_query")
-    nodes.append(node)
-    return node.outputs[0]
-
-
-def _head_norm(graph, nodes: list, x, module: str, attention: AttentionInfo, num_heads: int):
-    """RMSNorm of each head of ``x`` ``[batch, seq, heads * head_dim]`` with ``<module>.weight``: 3 nodes.
-
-    The shapes name every size but batch and seq (no ``-1``): a call with no live token has seq 0.
-    """
-    import onnx_ir as ir
-
-    dims = [0, 0, num_heads, attention.head_dim]
-    heads = initializer(graph, f"{module}.heads_shape", np.array(dims, dtype=np.int64))
-    flat = initializer(graph, f"{module}.flat_shape", np.array([0, 0, num_heads * attention.head_dim], dtype=np.int64))
-    split = ir.node("Reshape", [x, heads], name=f"{module}.split_heads")
-    norm = ir.node(
-        "SimplifiedLayerNormalization",
-        [split.outputs[0], graph.initializers[module + ".weight"]],
-        attributes={"axis": -1, "epsilon": float(attention.qk_norm_eps), "stash_type": 1},
-        name=f"{module}.norm",
-    )
-    join = ir.node("Reshape", [norm.outputs[0], flat], name=f"{module}.join_heads")
-    nodes.extend((split, norm, join))
-    return join.outputs[0]
-
-
-def _full_norm(nodes: list, x, weight, attention: AttentionInfo):
-    """RMSNorm of ``x`` ``[batch, seq, width]`` over its whole width (all heads at once) with ``weight``."""
-    import onnx_ir as ir
-
-    norm = ir.node(
-        "SimplifiedLayerNormalization",
-        [x, weight],
-        attributes={"axis": -1, "epsilon": float(attention.qk_norm_eps), "stash_type": 1},
-        name=f"{weight.name.removesuffix('.weight')}.norm",
-    )
-    nodes.append(norm)
-    return norm.outputs[0]
 
 
 def _shared_inputs(

@@ -19,14 +19,10 @@ import os
 import re
 import shutil
 import subprocess
-from typing import Literal
 
+from qspec.backend_records import GraphDtype, HwVersion, KvDtype
 from qspec.common import FrozenModel
 from qspec.errors import ConfigError
-
-HwVersion = Literal["ai100", "ai200"]
-GraphDtype = Literal["float32", "bfloat16"]  # the exported network's float type
-KvDtype = Literal["float16", "float32", "bfloat16"]
 
 DEFAULT_HW_VERSION: HwVersion = "ai100"
 UTIL_NAME = "qaic-util"

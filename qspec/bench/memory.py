@@ -6,29 +6,22 @@ K=0 only (one prefill + one decode specialization): the runtime serves them all 
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 from qspec.bench.analysis import ratio
-from qspec.bench.plan import RunConfig, Steps, none_config
+from qspec.bench.plan import RunConfig, Steps, engine_config, none_config
 from qspec.bench.report import MemoryProbe, MemoryReport
-from qspec.bench.runners import engine_knobs
 from qspec.bench.workers import Worker
+from qspec.runtime.config import EngineConfig
 from qspec.runtime.proposers import HEAD_METHODS
 
 PROBE_MAX_NEW_TOKENS = 32
 ONE_SPEC_KEY = "none@1 (K=0 package)"
 
 
-def _probe(
-    key: str,
-    package: Path,
-    config: RunConfig,
-    knobs: dict,
-    prompts: list[list[int]],
-    max_new: int,
-    num_threads: int | None,
-) -> MemoryProbe:
-    worker = Worker("probe", str(package), config.method, list(config.ks), knobs, prompts, max_new, num_threads)
+def _probe(key: str, package: Path, config: EngineConfig, prompts: list[list[int]], max_new: int) -> MemoryProbe:
+    worker = Worker("probe", str(package), config, prompts, max_new, name=f"memory probe {key}")
     try:
         return MemoryProbe(**worker.receive(f"memory probe {key}"))
     finally:
@@ -74,16 +67,15 @@ def run_memory(
     """One probe process per qspec configuration (and for ``none`` on the K=0 package)."""
     max_new = min(max_new_tokens, PROBE_MAX_NEW_TOKENS)
     primary = next(iter(packages))[0]
+    engine = partial(engine_config, num_threads=num_threads, draft_package=draft_package)
     jobs = [
-        (c.key, packages[c.weight_format, c.batch], c, engine_knobs(c.method, draft_package), prompt_ids[: c.batch])
-        for c in configs
-        if not c.baseline
+        (c.key, packages[c.weight_format, c.batch], engine(c), prompt_ids[: c.batch]) for c in configs if not c.baseline
     ]
     if one_spec_package is not None:
-        jobs.append((ONE_SPEC_KEY, one_spec_package, none_config(primary, 1), {}, prompt_ids[:1]))
+        jobs.append((ONE_SPEC_KEY, one_spec_package, engine(none_config(primary, 1)), prompt_ids[:1]))
     probes = {}
-    for key, package, config, knobs, prompts in jobs:
+    for key, package, config, prompts in jobs:
         steps.say(f"memory: {key} in its own process")
-        probes[key] = _probe(key, package, config, knobs, prompts, max_new, num_threads)
+        probes[key] = _probe(key, package, config, prompts, max_new)
         steps.step(f"memory: {key} done")
     return MemoryReport(probe_prompts_max_new_tokens=max_new, probes=probes, **memory_ratio(configs, probes))

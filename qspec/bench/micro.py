@@ -10,11 +10,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from statistics import median
+from typing import Any
 
 import numpy as np
 
-from qspec.bench.report import MicroCall, MicroHead, MicroPackage, PrefillChunk
+from qspec.bench.machine import copy_bandwidth
+from qspec.bench.options import BenchOptions
+from qspec.bench.plan import Steps
+from qspec.bench.report import MicroCall, MicroHead, MicroPackage, MicroReport, PrefillChunk
+from qspec.head_manifest import has_head
 
 TIMED_POSITION = 256  # timed calls end at this position (or at the bucket's or buffer's end, if smaller)
 
@@ -139,7 +145,7 @@ def head_micro_benchmark(
     """One row per specialization of ``package``'s draft head, the way the runtime runs it (its own session, its
     KV bound in place), beside ``target``'s K=0 call (the package's micro-benchmark) when given."""
     from qspec.head_manifest import read_head_manifest
-    from qspec.runtime.heads import HeadGraph
+    from qspec.runtime.head_graph import HeadGraph
 
     manifest = read_head_manifest(package)
     rows = manifest.full_batch_size or 1
@@ -207,3 +213,78 @@ def prefill_sweep(
         )
         for n in sizes
     ]
+
+
+# The micro phase ---------------------------------------------------------------------------------
+
+
+def loaded_models(packages: dict[tuple[str, int], Path], num_threads: int | None) -> dict[tuple[str, int], Any]:
+    """The packages loaded in this process, once, for the micro-benchmark and the head replays (the timed
+    rounds run in each package's worker process; these stay idle meanwhile); (weight format, max batch size)
+    -> CompiledModel."""
+    from qspec.runtime.model import CompiledModel
+
+    return {key: CompiledModel(package, num_threads=num_threads) for key, package in packages.items()}
+
+
+def run_micro(
+    models: dict, options: BenchOptions, prompts: list[list[int]], steps: Steps, rounds: int = 2
+) -> MicroReport | None:
+    """One call per specialization of every loaded package, against the bandwidth floor of its weight
+    format; then TTFT per prefill chunk size on every batch-1 package (``options.chunk_sizes`` that it
+    takes, and its own).
+
+    ``models``: (weight format, max batch size) -> loaded model.
+    """
+    iterations = options.micro_iterations
+    if not iterations:
+        return None
+    bandwidth = copy_bandwidth()
+    packages = []
+    prefill = []
+    heads = []
+    for (weight_format, batch), model in models.items():
+        steps.say(f"micro-benchmark, {weight_format} batch {batch}")
+        packages.append(micro_benchmark(model, iterations, bandwidth, batch=batch, weight_format=weight_format))
+        if has_head(model.package):
+            steps.say(f"micro-benchmark, {weight_format} batch {batch}: the draft head")
+            heads.append(
+                head_micro_benchmark(
+                    model.package,
+                    iterations,
+                    bandwidth,
+                    batch=batch,
+                    weight_format=weight_format,
+                    target=packages[-1],
+                    num_threads=options.num_threads,
+                )
+            )
+        if weight_format == "fp32" and batch == 1 and len(model.decode_buckets) > 1 and model.manifest.vendor_graph:
+            # The buckets bound what the vendor graph's attention reads; the runtime graph's
+            # GroupQueryAttention reads only up to each row's position whatever the bucket.
+            from qspec.runtime.model import CompiledModel
+
+            vendor = CompiledModel(model.package, vendor_graph=True)
+            packages.append(micro_benchmark(vendor, iterations, bandwidth, batch=1, graph="vendor"))
+            del vendor
+        if batch == 1 and options.chunk_sizes and model.manifest.runtime_graph is not None:
+            steps.say(f"TTFT per prefill chunk size, {weight_format}")
+            longest = min(b or model.ctx_len for b in model.prefill_buckets)  # what the package takes
+            own = model.prefill_spec.seq_len
+            prefill += prefill_sweep(
+                model.package,
+                prompts,
+                sorted({own, *(n for n in options.chunk_sizes if n <= longest)}),
+                weight_format=weight_format,
+                rounds=rounds,
+                num_threads=options.num_threads,
+            )
+        steps.step(f"micro-benchmark, {weight_format} batch {batch} done")
+    return MicroReport(
+        copy_bandwidth_gb_s=round(bandwidth / 1e9, 2),
+        packages=packages,
+        prefill=prefill,
+        prefill_prompts=len(prompts) if prefill else 0,
+        prefill_rounds=rounds if prefill else 0,
+        heads=heads,
+    )

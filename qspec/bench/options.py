@@ -49,6 +49,9 @@ class BenchOptions(FrozenModel):
     baselines: bool = True  # transformers greedy and prompt lookup, batch 1
     peers: bool = True  # ONNX Runtime GenAI and llama.cpp, batch 1, where installed (qspec[peers])
     memory: bool = True  # peak RSS per configuration, one process each
+    # The project's analysis beside the measurement: micro-benchmarks, head replays, speculation ceilings (what
+    # bench/targets.py reads). Off: the run measures as `vllm bench` does, configurations and memory only.
+    analysis: bool = False
     micro_iterations: int = Field(default=20, ge=0)  # calls per specialization; 0: no micro-benchmark
     # TTFT per prefill chunk size (the micro phase): each batch-1 package run with these sizes
     # (None: DEFAULT_PREFILL_CHUNK_SIZES up to what the packages take; empty: no sweep).

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from qspec.bench.options import BenchOptions
+from qspec.runtime.config import EngineConfig
 
 QSPEC = "qspec"  # the backend of qspec's own configurations; every other backend is a baseline
 TRANSFORMERS = "transformers"
@@ -146,3 +148,17 @@ class Steps:
     def step(self, message: str) -> None:
         self.done += 1
         self._progress(message, self.done, self.total)
+
+
+def engine_config(
+    config: RunConfig, *, num_threads: int | None, draft_package: Path | None, dispatch: str = "auto"
+) -> EngineConfig:
+    """The engine a qspec configuration runs (its method on its Ks), as its worker and its memory probe build it:
+    the draft package only for ``draft``."""
+    return EngineConfig.create(
+        method=config.method,
+        num_speculative_tokens=config.ks,
+        dispatch=dispatch,
+        num_threads=num_threads,
+        draft_package=draft_package if config.method == "draft" else None,
+    )

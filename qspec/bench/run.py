@@ -12,16 +12,14 @@ import datetime as _dt
 import os
 import time
 from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import Any
 
 import psutil
 
 from qspec.bench.analysis import Collected, contention_notes, equality_checks, summarize, with_ratios
 from qspec.bench.ceiling import HeadReplay, ceilings, head_replays_of
-from qspec.bench.machine import CpuMeter, copy_bandwidth, cpu_name, machine_versions, usable_cores
+from qspec.bench.machine import CpuMeter, cpu_name, machine_versions, usable_cores
 from qspec.bench.memory import run_memory
-from qspec.bench.micro import head_micro_benchmark, micro_benchmark, prefill_sweep
+from qspec.bench.micro import loaded_models, run_micro
 from qspec.bench.options import BenchOptions, quick_options
 from qspec.bench.packages import Packages, ResolvedModel, compile_packages, package_count, resolve_model
 from qspec.bench.peers import PeerPlan, PeerUnavailable, plan_peers
@@ -39,7 +37,6 @@ from qspec.bench.plan import (
 from qspec.bench.report import BenchReport, MachineInfo, MemoryReport, Meta, MicroReport, RunnerInfo, Skipped
 from qspec.bench.runners import QspecRunner, Runner, TransformersRunner
 from qspec.errors import ConfigError
-from qspec.head_manifest import has_head
 from qspec.prompts import PromptRecord, default_prompts_path, load_prompts
 
 Request = tuple[str, str, list[int]]  # (request id, category, prompt token ids)
@@ -95,7 +92,7 @@ def count_units(plan: BenchPlan) -> int:
         packages
         + loaded  # load
         + len({c.backend for c in plan.configs if c.baseline})  # baseline loads
-        + (loaded if options.micro_iterations else 0)
+        + (loaded if options.analysis and options.micro_iterations else 0)
         + round_count(plan) * len(plan.configs)
         + ((len(qspec_configs) + 1) if options.memory else 0)
         + 1  # summaries
@@ -135,78 +132,6 @@ def start_baselines(plan: BenchPlan, baselines: list[Runner], steps: Steps) -> t
         steps.total -= round_count(plan) * (len(plan.configs) - len(kept))
         plan = replace(plan, configs=kept)
     return plan, info, skipped
-
-
-def loaded_models(packages: dict[tuple[str, int], Path], num_threads: int | None) -> dict[tuple[str, int], Any]:
-    """The packages loaded in this process, once, for the micro-benchmark and the head replays (the timed
-    rounds run in each package's worker process; these stay idle meanwhile); (weight format, max batch size)
-    -> CompiledModel."""
-    from qspec.runtime.model import CompiledModel
-
-    return {key: CompiledModel(package, num_threads=num_threads) for key, package in packages.items()}
-
-
-def run_micro(
-    models: dict, options: BenchOptions, prompts: list[list[int]], steps: Steps, rounds: int = 2
-) -> MicroReport | None:
-    """One call per specialization of every loaded package, against the bandwidth floor of its weight
-    format; then TTFT per prefill chunk size on every batch-1 package (``options.chunk_sizes`` that it
-    takes, and its own).
-
-    ``models``: (weight format, max batch size) -> loaded model.
-    """
-    iterations = options.micro_iterations
-    if not iterations:
-        return None
-    bandwidth = copy_bandwidth()
-    packages = []
-    prefill = []
-    heads = []
-    for (weight_format, batch), model in models.items():
-        steps.say(f"micro-benchmark, {weight_format} batch {batch}")
-        packages.append(micro_benchmark(model, iterations, bandwidth, batch=batch, weight_format=weight_format))
-        if has_head(model.package):
-            steps.say(f"micro-benchmark, {weight_format} batch {batch}: the draft head")
-            heads.append(
-                head_micro_benchmark(
-                    model.package,
-                    iterations,
-                    bandwidth,
-                    batch=batch,
-                    weight_format=weight_format,
-                    target=packages[-1],
-                    num_threads=options.num_threads,
-                )
-            )
-        if weight_format == "fp32" and batch == 1 and len(model.decode_buckets) > 1 and model.manifest.vendor_graph:
-            # The buckets bound what the vendor graph's attention reads; the runtime graph's
-            # GroupQueryAttention reads only up to each row's position whatever the bucket.
-            from qspec.runtime.model import CompiledModel
-
-            vendor = CompiledModel(model.package, vendor_graph=True)
-            packages.append(micro_benchmark(vendor, iterations, bandwidth, batch=1, graph="vendor"))
-            del vendor
-        if batch == 1 and options.chunk_sizes and model.manifest.runtime_graph is not None:
-            steps.say(f"TTFT per prefill chunk size, {weight_format}")
-            longest = min(b or model.ctx_len for b in model.prefill_buckets)  # what the package takes
-            own = model.prefill_spec.seq_len
-            prefill += prefill_sweep(
-                model.package,
-                prompts,
-                sorted({own, *(n for n in options.chunk_sizes if n <= longest)}),
-                weight_format=weight_format,
-                rounds=rounds,
-                num_threads=options.num_threads,
-            )
-        steps.step(f"micro-benchmark, {weight_format} batch {batch} done")
-    return MicroReport(
-        copy_bandwidth_gb_s=round(bandwidth / 1e9, 2),
-        packages=packages,
-        prefill=prefill,
-        prefill_prompts=len(prompts) if prefill else 0,
-        prefill_rounds=rounds if prefill else 0,
-        heads=heads,
-    )
 
 
 def even_rounds(count: int, parts: int) -> list[range]:
@@ -340,9 +265,9 @@ def _measure(plan: BenchPlan, packages: Packages, steps: Steps, laps: Laps) -> M
         plan, info, skipped = start_baselines(plan, baselines, steps)
         baselines = [r for r in baselines if r.backend in info]
         laps.lap("load_s")
-        wanted = options.micro_iterations or options.head_methods
+        wanted = options.analysis and (options.micro_iterations or options.head_methods)
         models = loaded_models(packages.flat, options.num_threads) if wanted else {}
-        micro = run_micro(models, options, first_turns, steps)
+        micro = run_micro(models, options, first_turns, steps) if options.analysis else None
         laps.lap("micro_s")
         runners = {c.key: r for r in [qspec, *baselines] for c in r.configs}
         missing = [c.key for c in plan.configs if c.key not in runners]
@@ -353,7 +278,7 @@ def _measure(plan: BenchPlan, packages: Packages, steps: Steps, laps: Laps) -> M
         peaks = {r.backend: r.stop() for r in baselines}
         prompts = {p.id: list(tokens) for p, tokens in zip(plan.prompts, first_turns)}
         head_replays = {}
-        if options.head_methods:
+        if options.analysis and options.head_methods:
             steps.say("replaying the draft heads along none's outputs (the speculation ceiling)")
             head_replays = head_replays_of(plan.configs, models, collected, prompts, micro)
             laps.lap("head_replay_s")
@@ -430,7 +355,11 @@ def build_report(
         memory=measured.memory,
         equality=equality_checks(collected),
         outputs={key: c.tokens() for key, c in collected.items()},
-        ceilings=ceilings(collected, measured.first_turns, measured.micro, measured.head_replays),
+        ceilings=(
+            ceilings(collected, measured.first_turns, measured.micro, measured.head_replays)
+            if plan.options.analysis
+            else []
+        ),
     )
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from qspec.bench.machine import usable_cores
-from qspec.bench.plan import HF_LOOKUP, TRANSFORMERS, RunConfig, Steps, transformers_configs
+from qspec.bench.plan import HF_LOOKUP, TRANSFORMERS, RunConfig, Steps, engine_config, transformers_configs
 from qspec.bench.report import RunnerInfo
 from qspec.bench.workers import Worker
 from qspec.runtime.metrics import RequestMetrics
@@ -70,12 +70,30 @@ class Runner(ABC):
         """Release what ``start`` took; safe to call twice."""
 
 
-def engine_knobs(method: str, draft_package: Path | None) -> dict[str, Any]:
-    """The engine options a method needs besides its K list."""
-    return {"draft_package": draft_package} if method == "draft" else {}
+class WorkerRunner(Runner):
+    """A runner whose runtime lives in worker processes (:class:`~qspec.bench.workers.Worker`): one ``stop`` (each
+    worker's peak RSS) and one ``close`` for all of them."""
+
+    reports_peak_rss = True  # False: each configuration's peak RSS is its memory probe's, not its worker's
+
+    def __init__(self) -> None:
+        self.workers: dict[Any, Worker] = {}
+
+    def stop(self) -> float | None:
+        """Stop the workers; the largest peak RSS among them (None when ``reports_peak_rss`` is off)."""
+        try:
+            peaks = [worker.ask(f"stopping {worker.name}", "stop")["peak_rss_mb"] for worker in self.workers.values()]
+        finally:
+            self.close()
+        return max(peaks) if peaks and self.reports_peak_rss else None
+
+    def close(self) -> None:
+        for worker in self.workers.values():
+            worker.close()
+        self.workers = {}
 
 
-class QspecRunner(Runner):
+class QspecRunner(WorkerRunner):
     """qspec's engine: one worker process per package (weight format x batch size), as each peer model has
     its own, with an Engine per configuration on the package's one loaded model (:func:`.workers.qspec_main`).
 
@@ -83,6 +101,7 @@ class QspecRunner(Runner):
     """
 
     backend = "qspec"
+    reports_peak_rss = False
 
     def __init__(
         self,
@@ -93,12 +112,12 @@ class QspecRunner(Runner):
         dispatch: str,
         draft_package: Path | None,
     ) -> None:
+        super().__init__()  # workers: (weight format, batch) -> its package's process
         self.packages = packages
         self.configs = configs
         self.num_threads = num_threads
         self.dispatch = dispatch
         self.draft_package = draft_package
-        self.workers: dict[tuple[str, int], Worker] = {}  # (weight format, batch) -> its package's process
         self.eos_token_ids: list[int] = []
         self.tokenizer: Any = None
 
@@ -106,12 +125,18 @@ class QspecRunner(Runner):
         from qspec.package import TOKENIZER_DIR
         from qspec.runtime.tokenizer import Tokenizer
 
-        draft = None if self.draft_package is None else str(self.draft_package)
         for (weight_format, batch), package in self.packages.items():
             steps.say(f"loading the {weight_format} batch {batch} package (a worker process)")
-            mine = [c for c in self.configs if (c.weight_format, c.batch) == (weight_format, batch)]
+            mine = {
+                c.key: engine_config(
+                    c, dispatch=self.dispatch, num_threads=self.num_threads, draft_package=self.draft_package
+                )
+                for c in self.configs
+                if (c.weight_format, c.batch) == (weight_format, batch)
+            }
+            name = f"the {weight_format} batch {batch} package"
             worker = self.workers[weight_format, batch] = Worker(
-                "qspec", str(package), mine, self.num_threads, self.dispatch, draft
+                "qspec", str(package), mine, self.num_threads, name=name
             )
             self.eos_token_ids = worker.receive(f"loading the {weight_format} batch {batch} package")["eos_token_ids"]
             steps.step(f"{weight_format} batch {batch} engines ready")
@@ -127,20 +152,6 @@ class QspecRunner(Runner):
         answers, wall, calls, seconds = worker.ask(config.key, (config.key, prompts, config.batch, max_new_tokens))
         return RoundResult([RequestResult(*answer) for answer in answers], wall, calls, seconds)
 
-    def stop(self) -> float | None:
-        """Stop the packages' processes; None: each configuration's peak RSS is its memory probe's."""
-        try:
-            for (weight_format, batch), worker in self.workers.items():
-                worker.ask(f"stopping the {weight_format} batch {batch} package", "stop")
-        finally:
-            self.close()
-        return None
-
-    def close(self) -> None:
-        for worker in self.workers.values():
-            worker.close()
-        self.workers = {}
-
 
 def _transformers_request(result: dict) -> RequestMetrics:
     """A transformers generation as RequestMetrics: decode calls = forwards after the prefill."""
@@ -153,42 +164,30 @@ def _transformers_request(result: dict) -> RequestMetrics:
     return metrics
 
 
-class TransformersRunner(Runner):
+class TransformersRunner(WorkerRunner):
     """``generate(do_sample=False)`` and ``generate(prompt_lookup_num_tokens=4)`` at batch 1, in a worker process."""
 
     backend = TRANSFORMERS
 
     def __init__(self, source: str, *, num_threads: int | None, eos_token_ids: list[int]) -> None:
+        super().__init__()
         self.source = source
         self.threads = num_threads or usable_cores()
         self.eos_token_ids = eos_token_ids
         self.configs = transformers_configs()
-        self.worker: Worker | None = None
 
     def start(self, steps: Steps) -> RunnerInfo:
         steps.say("loading the transformers model (a worker process)")
-        self.worker = Worker("transformers", self.source, self.threads, self.eos_token_ids)
-        loaded = self.worker.receive("loading the transformers model")
+        worker = Worker("transformers", self.source, self.threads, self.eos_token_ids, name="the transformers worker")
+        self.workers[TRANSFORMERS] = worker
+        loaded = worker.receive("loading the transformers model")
         steps.step("transformers model loaded")
         return RunnerInfo(versions=loaded["versions"], load_s=loaded["load_s"], threads=self.threads)
 
     def run(self, config: RunConfig, prompts: list[list[int]], max_new_tokens: int) -> RoundResult:
-        assert self.worker is not None, "TransformersRunner.run before start"
-        answers = self.worker.ask(config.key, (config.method == HF_LOOKUP, prompts, max_new_tokens))
+        assert self.workers, "TransformersRunner.run before start"
+        answers = self.workers[TRANSFORMERS].ask(config.key, (config.method == HF_LOOKUP, prompts, max_new_tokens))
         results = [RequestResult(a["tokens"], "", _transformers_request(a)) for a in answers]
         wall = sum(r.metrics.e2e_s for r in results)
         calls = Counter(prefill=len(answers), forward=sum(a["forwards"] for a in answers))
         return RoundResult(results, wall, calls)
-
-    def stop(self) -> float | None:
-        if self.worker is None:
-            return None
-        try:
-            return self.worker.ask("stopping the transformers worker", "stop")["peak_rss_mb"]
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        if self.worker is not None:
-            self.worker.close()
-            self.worker = None

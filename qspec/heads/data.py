@@ -166,12 +166,13 @@ def generate_answers(
 ) -> list[dict]:
     """Greedy answers of ``package`` to ``prompts``, appended to ``output`` (JSON lines) a batch at a time;
     records already there are kept and their prompts skipped (a stopped run resumes)."""
+    from qspec.runtime.config import EngineConfig
     from qspec.runtime.engine import Engine
     from qspec.runtime.sampling import SamplingParams
 
     say = progress or (lambda message: None)
     done = read_records(output)
-    engine = Engine(package, method="pld", num_threads=num_threads, spinning=num_threads is None)
+    engine = Engine(package, EngineConfig.create(method="pld", num_threads=num_threads, spinning=num_threads is None))
     params = SamplingParams(max_new_tokens=max_new_tokens)
     lengths = [len(engine.tokenizer.encode_prompt(p, chat=True)) for p in prompts]
     prompts = _fitting(prompts, lengths, engine.model.ctx_len - max_new_tokens, say)

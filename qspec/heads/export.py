@@ -272,7 +272,7 @@ def quantize_copy(model, bits: int):
     level and symmetry); returns (copy, how many). ``model`` is left as it is."""
     import onnx_ir as ir
 
-    from qspec.backends.ort_optimize import quantize_matmuls
+    from qspec.backends.ort_quantize import quantize_matmuls
 
     proto, count = quantize_matmuls(ir.to_proto(model), bits)
     return ir.from_proto(proto), count

@@ -3,8 +3,9 @@
 :func:`compile_head` reads the head checkpoint (any kind of :data:`qspec.heads.kinds.KINDS`), takes the
 target's embedding and LM head from the package's own ``model.onnx`` (a head checkpoint rarely carries
 them), exports the head graph, writes its runtime graph (:mod:`qspec.heads.ort_graph`), its
-specializations and, for ``qaic``, its own custom IO and compile command: a second program beside the
-target's, as QEfficient compiles a draft model.
+specializations, then hands the head's programs to the compile backend
+(:meth:`~qspec.backends.base.CompileBackend.prepare_head`: ort runs them once, qaic writes their custom IO and
+compile command: a second program beside the target's, as QEfficient compiles a draft model).
 
 Everything that differs between kinds (graph, specializations, custom IO, runtime rewrite, manifest fields)
 is the kind's (:class:`~qspec.heads.kind.HeadKind`): EAGLE's specializations are the target's prefill shape,
@@ -23,22 +24,10 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from qspec import contract
-from qspec.backends.qaic import (
-    CUSTOM_IO_FILE,
-    DEFAULT_COMPILER,
-    QPC_DIR,
-    SCRIPT_FILE,
-    QaicOptions,
-    QaicResult,
-    compile_script,
-    find_compiler,
-    qaic_compile_argv,
-    run_compiler,
-    write_executable,
-)
+from qspec.backend_records import QaicOptions
+from qspec.backends.registry import compile_backend
 from qspec.common import write_text_atomic
-from qspec.errors import CompileError, ConfigError
+from qspec.errors import ConfigError
 from qspec.head_manifest import (
     DRAFT_IDS_FILE,
     HEAD_DIR,
@@ -51,7 +40,7 @@ from qspec.head_manifest import (
 )
 from qspec.heads.kind import HeadKind
 from qspec.spec_file import SpecFormat
-from qspec.specializations import Specialization, SpecializationConfig
+from qspec.specializations import SpecializationConfig
 
 Progress = Callable[[str], None]
 EMBED_TOKENS = "model.embed_tokens.weight"  # the target graph's initializer names (Hugging Face's)
@@ -96,41 +85,6 @@ def head_digest(head_dir: str | os.PathLike[str]) -> str:
             for block in iter(lambda: handle.read(1 << 20), b""):
                 digest.update(block)
     return digest.hexdigest()[:24]
-
-
-# Vendor files ----------------------------------------------------------------------------------------
-
-
-def prepare_head_qaic(head_dir: Path, kind: HeadKind, options: QaicOptions, *, run: bool | None = None) -> QaicResult:
-    """Write ``custom_io.yaml`` (the kind's) and ``compile_qaic.sh`` for the head graph (paths relative to
-    ``head_dir``); compile when a compiler is found (``run=None``), always (``True``) or never (``False``)."""
-    write_text_atomic(head_dir / CUSTOM_IO_FILE, kind.custom_io(options.io_float_dtype))
-    compiler = None if run is False else find_compiler()
-    if run and compiler is None:
-        raise ConfigError("no QAIC compiler found: set QAIC_COMPILE or put qaic-compile on PATH")
-    argv = qaic_compile_argv(
-        compiler=compiler or DEFAULT_COMPILER,
-        onnx_path=HEAD_ONNX,
-        specializations_path="specializations.json",
-        custom_io_path=CUSTOM_IO_FILE,
-        qpc_dir=QPC_DIR,
-        options=options,
-    )
-    write_executable(head_dir / SCRIPT_FILE, compile_script(argv))
-    if compiler is not None:
-        run_compiler(argv, cwd=head_dir)
-    return QaicResult(
-        compiler=compiler,
-        ran=compiler is not None,
-        argv=argv,
-        script=SCRIPT_FILE,
-        qpc_dir=QPC_DIR,
-        custom_io=CUSTOM_IO_FILE,
-        mdp_partition_config=None,
-        onnx=HEAD_ONNX,
-        specializations="specializations.json",
-        options=options,
-    )
 
 
 # The runtime graph -----------------------------------------------------------------------------------
@@ -224,11 +178,6 @@ def compile_head(
     if head.draft_ids is not None:
         draft_ids_file = DRAFT_IDS_FILE
         np.save(folder / DRAFT_IDS_FILE, head.draft_ids.numpy().astype(np.int64))
-    qaic_result = None
-    if backend == "qaic":
-        say("preparing the head's qaic-compile command")
-        results = [prepare_head_qaic(folder / program_dir(i), kind, qaic or QaicOptions()) for i in range(programs)]
-        qaic_result = results[0]
     manifest = HeadManifest(
         method=kind.method,
         layout=kind.layout,
@@ -250,7 +199,6 @@ def compile_head(
         specializations=specs,
         spec_format=spec_format,
         backend=backend,
-        qaic=qaic_result,
         programs=programs,
         graph_bytes=sum(export.graph_bytes(folder / program_dir(i) / HEAD_ONNX) for i in range(programs)),
         runtime_graph_bytes=sum(
@@ -258,47 +206,10 @@ def compile_head(
         ),
         export_seconds=round(time.perf_counter() - begin, 2),
     )
-    if backend == "ort":
-        say("checking the head graph in ONNX Runtime")
-        for i in range(programs):
-            check_head_sessions(folder / program_dir(i), manifest)
+    folders = [folder / program_dir(i) for i in range(programs)]
+    manifest = compile_backend(backend).prepare_head(folders, kind, manifest, qaic or QaicOptions(), progress=say)
     write_text_atomic(folder / HEAD_MANIFEST, manifest.model_dump_json(indent=2) + "\n")
     return manifest
-
-
-def example_feeds(manifest: HeadManifest, spec: Specialization) -> dict[str, np.ndarray]:
-    """Inputs of one call of ``spec``'s shape (its proposer's :meth:`call_feeds`: token 0, positions from 0, zero
-    features) and zero KV."""
-    from qspec.runtime.heads import head_proposer
-
-    hidden = np.zeros((spec.batch_size, spec.seq_len, manifest.hidden_size), np.float32)
-    feeds = head_proposer(manifest.method).call_feeds(manifest, spec, hidden)
-    if manifest.kv_shape is not None:
-        rows = spec.full_batch_size or spec.batch_size
-        feeds |= {name: np.zeros((rows, *manifest.kv_shape), np.float32) for name in contract.kv_names(1)}
-    return feeds
-
-
-def check_head_sessions(folder: Path, manifest: HeadManifest) -> None:
-    """Run the head's runtime graph once per specialization; the logits must have the shape the manifest says."""
-    import onnxruntime as ort
-
-    from qspec.backends import ort_plan
-
-    session = ort.InferenceSession(str(folder / manifest.runtime_graph), providers=["CPUExecutionProvider"])
-    names = {value.name for value in session.get_inputs()}
-    for spec in manifest.specializations:
-        feeds = example_feeds(manifest, spec)
-        if contract.POSITION_IDS in feeds:  # a one-slot EAGLE head takes the host's call plan
-            feeds |= ort_plan.feeds(feeds[contract.POSITION_IDS], 1, names)
-        try:
-            logits = session.run([contract.LOGITS], feeds)[0]
-        except Exception as exc:  # ORT raises plain RuntimeErrors
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise CompileError(f"the draft head graph fails for {spec.describe()}: {first}") from exc
-        want = (spec.batch_size, manifest.num_heads, manifest.draft_vocab_size)
-        if logits.shape != want:
-            raise CompileError(f"the draft head returns logits {logits.shape} for {spec.describe()}, expected {want}")
 
 
 def fold_head_taps(head_dir: str | os.PathLike[str], target_onnx: Path, graphs: list[Path], num_layers: int) -> None:

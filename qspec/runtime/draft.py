@@ -1,9 +1,9 @@
 """Draft-model proposer (method ``draft``): a small compiled package of the same vocabulary drafts.
 
 The draft package is compiled like any other (``num_speculative_tokens=0``: a prefill shape and a
-``seq_len = 1`` decode shape; typically ``num_layers=N`` keeps the target's first N layers) and
-runs in its own :class:`CompiledModel` with its own KV cache. Each step drafts up to ``cap`` tokens
-for every request, one token per call, batched over the requests in **one** ``seq_len = 1`` call
+``seq_len = 1`` decode shape; typically ``num_layers=N`` keeps the target's first N layers) and is
+loaded as the target is (:func:`~qspec.runtime.load.load_model`), with its own KV cache. Each step drafts up to
+``cap`` tokens for every request, one token per call, batched over the requests in **one** ``seq_len = 1`` call
 per draft step; a row that needs fewer tokens is padded (``PAD_POSITION``).
 
 KV consistency. Per request the proposer keeps the target's history (``tokens``: prompt and every
@@ -40,10 +40,11 @@ from pathlib import Path
 import numpy as np
 
 from qspec.errors import ConfigError
-from qspec.runtime.model import Binding, CompiledModel, SessionMode
+from qspec.runtime.load import load_model
 from qspec.runtime.prefill import PrefillRow, run_prefill
-from qspec.runtime.proposal import Proposal, Proposer, RequestId, Tokens, as_tokens
+from qspec.runtime.proposal import Proposal, Proposer, RequestId, Tokens, as_tokens, unknown_request
 from qspec.runtime.sampling import SamplingParams, make_rng, process_logits, sample_token
+from qspec.runtime.session import Binding, SessionMode
 
 GREEDY = SamplingParams()
 # A backlog of at least this many tokens is fed with the prefill shape; shorter ones ride along in
@@ -152,7 +153,9 @@ class DraftProposer(Proposer):
             raise ConfigError(f"draft_confidence_threshold {draft_confidence_threshold} must be in [0, 1]")
         if prefill_min_tokens < 1:
             raise ConfigError(f"prefill_min_tokens {prefill_min_tokens} must be >= 1")
-        self.model = CompiledModel(draft_package, session_mode=session_mode, spinning=spinning, num_threads=num_threads)
+        self.model = load_model(  # the draft package runs on ONNX Runtime, whatever the target's backend
+            draft_package, session_mode=session_mode, spinning=spinning, num_threads=num_threads
+        )
         if 0 not in self.model.decode:
             raise ConfigError(
                 f"draft package {self.model.package} has decode Ks {self.model.ks} but the draft runs "
@@ -242,7 +245,7 @@ class DraftProposer(Proposer):
         try:
             return self._requests[request_id]
         except KeyError:
-            raise KeyError(f"unknown request {request_id!r}: call start() before other calls") from None
+            raise unknown_request(request_id) from None
 
     # ------------------------------------------------------------------ proposing
 

@@ -37,6 +37,7 @@ import numpy as np
 
 from qspec.errors import ConfigError
 from qspec.package import TOKENIZER_DIR
+from qspec.runtime.config import EngineConfig
 from qspec.runtime.dispatch import Dispatcher, check_mode, restrict_ks
 from qspec.runtime.load import load_model
 from qspec.runtime.metrics import EngineMetrics, aggregate
@@ -52,6 +53,7 @@ from qspec.runtime.request import (
     TextCallback,
     as_prompt_list,
     check_fits,
+    params_per_prompt,
 )
 from qspec.runtime.sampling import (
     SamplingParams,
@@ -61,15 +63,10 @@ from qspec.runtime.sampling import (
     process_logits,
     sample_tokens,
 )
-from qspec.runtime.session import LoadedModel, SessionMode
+from qspec.runtime.session import LoadedModel
 from qspec.runtime.tokenizer import TextStream, Tokenizer
 
 OutputCallback = Callable[[RequestOutput], None]
-
-
-def canonical_method(method: str) -> str:
-    """The speculative method ``method`` names (``ngram`` is ``pld``, ``eagle3`` is ``eagle``)."""
-    return METHOD_ALIASES.get(method, method)
 
 
 class Engine:
@@ -83,67 +80,52 @@ class Engine:
     def __init__(
         self,
         package: str | Path,
+        config: EngineConfig | None = None,
         *,
-        method: str = "pld",
-        session_mode: SessionMode = "shared",
-        spinning: bool = True,
-        num_threads: int | None = None,
-        max_batch_size: int | None = None,
-        force_accept: int | None = None,
-        num_speculative_tokens: Sequence[int] | str | None = None,
-        dispatch: str = "auto",
         proposer: Proposer | None = None,
         model: LoadedModel | None = None,
-        backend: str = "ort",
-        prefix_cache: bool = False,
-        **method_options: Any,
+        **knobs: Any,
     ):
-        """Load ``package``; ``method`` is ``none``, ``pld`` (alias ``ngram``), ``suffix``, ``user`` or ``draft``.
+        """Load ``package`` and run it as ``config`` says (:class:`~qspec.runtime.config.EngineConfig`; or its
+        fields as keywords, ``Engine(package, method="pld")``, any other keyword a knob of the proposer).
 
-        ``num_speculative_tokens`` restricts dispatch to a subset of the compiled Ks (default: all).
-        ``dispatch``: ``cover`` runs the smallest K covering the longest proposal; ``cost`` the K
-        with the most expected tokens per ms; ``auto`` (default) is ``cost`` for greedy steps where a
-        verified draft costs, ``cover`` otherwise (the rule: :class:`~qspec.runtime.dispatch.Dispatcher`).
-        ``max_batch_size`` caps the sequences in flight (default: the rows of the package's decode shapes, its
-        ``full_batch_size``); KV slots beyond them (``qspec compile --kv-cache-batch-size``) keep prefixes.
-        ``backend``: where the package runs, ``ort`` (ONNX Runtime, CPU) or ``qaic`` (its QPC on Cloud
-        AI 100, :mod:`qspec.runtime.qaic_session`); the engine is the same on both.
-        ``force_accept`` is a testing knob: accept exactly ``min(n, force_accept)`` drafts whatever
-        the target says (the output is then *not* the target's greedy output).
-        ``prefix_cache``: a request whose prompt starts with what an idle KV slot holds (an earlier request's
-        prompt and output) takes that slot and prefills only the rest (:mod:`qspec.runtime.prefix`); off for
-        methods that read the prompt's hidden states, which a reused prefix does not produce again.
-        ``method_options`` go to the proposer (``prompt_lookup_min``, ``prompt_lookup_max``, ...).
+        ``proposer``: a proposer of your own instead of the method's; ``model``: a loaded package to share
+        (engines on one model share its weights, sessions and KV cache, one at a time). ``config.backend`` is
+        where the package runs, ``ort`` (ONNX Runtime, CPU) or ``qaic`` (its QPC on Cloud AI 100); the engine is
+        the same on both. ``prefix_cache``: a request whose prompt starts with what an idle KV slot holds takes
+        that slot and prefills only the rest (:mod:`qspec.runtime.prefix`); off for methods that read the
+        prompt's hidden states, which a reused prefix does not produce again. ``config.max_batch_size`` caps the
+        sequences in flight (default: the package's decode rows); KV slots beyond them (``--kv-cache-batch-size``)
+        keep prefixes.
         """
-        # Engines may share one loaded model (weights, sessions and KV cache), one at a time.
+        if config is not None and knobs:
+            raise ConfigError(f"give an EngineConfig or its fields, not both ({', '.join(sorted(knobs))})")
+        self.config = config = config or EngineConfig.of(**knobs)
         self.model = model or load_model(
-            package, backend=backend, session_mode=session_mode, spinning=spinning, num_threads=num_threads
+            package,
+            backend=config.backend,
+            session_mode=config.session_mode,
+            spinning=config.spinning,
+            num_threads=config.num_threads,
         )
         self.tokenizer = Tokenizer(self.model.package / TOKENIZER_DIR)
-        self.method = method = canonical_method(method)
-        if method in HEAD_METHODS and proposer is None:  # the head lives in the target's package
-            method_options = {"package": self.model.package} | method_options
-        self.proposer: Proposer = proposer or make_proposer(method, **method_options)
+        self.method = method = METHOD_ALIASES.get(config.method, config.method)  # ngram is pld, eagle3 eagle
+        self.proposer: Proposer = proposer or self._make_proposer(method, config)
         if self.proposer.wants_hidden_states and not self.model.manifest.model.hidden_states:
             raise ConfigError(f"method {method} reads hidden states: {package} has none; compile it with --draft-head")
-        self.ks = restrict_ks(self.model.ks, num_speculative_tokens)
+        self.ks = restrict_ks(self.model.ks, config.num_speculative_tokens)
         self.k_max = self.ks[-1] if method != "none" else 0
-        slots = self.model.decode_rows
-        if max_batch_size is not None:
-            if not 1 <= max_batch_size <= slots:
-                raise ConfigError(f"max_batch_size {max_batch_size} must be in [1, {slots}] (the decode rows)")
-            slots = max_batch_size
-        self.num_slots = slots  # sequences in flight; the KV slots beyond them keep finished requests' prefixes
-        self.kv_slots = self.model.rows
-        model = self.model
-        self.proposer.check_target(vocab_size=model.vocab_size, ctx_len=model.ctx_len, num_slots=self.num_slots)
-        if force_accept is not None and force_accept < 0:
-            raise ConfigError(f"force_accept {force_accept} must be >= 0")
-        self.force_accept = force_accept
+        self.num_slots = self._slots_for(config.max_batch_size)  # sequences in flight
+        self.kv_slots = self.model.rows  # the slots beyond num_slots keep finished requests' prefixes
+        target = self.model
+        self.proposer.check_target(vocab_size=target.vocab_size, ctx_len=target.ctx_len, num_slots=self.num_slots)
+        if config.force_accept is not None and config.force_accept < 0:
+            raise ConfigError(f"force_accept {config.force_accept} must be >= 0")
+        self.force_accept = config.force_accept
         self.eos_token_ids = self.tokenizer.stop_ids(self.model.manifest.model.eos_token_ids)
-        check_mode(dispatch)
+        check_mode(config.dispatch)
         self.last_metrics: EngineMetrics | None = None
-        self.calls: dict[Any, int] = {"prefill": 0, **{k: 0 for k in self.ks}}  # since load
+        self.calls: dict[str, int] = dict.fromkeys(["prefill", *map(str, self.ks)], 0)  # since load
         self.seconds = dict.fromkeys(("prefill", "decode", "propose"), 0.0)  # since load (EngineMetrics.seconds)
         self._waiting: deque[SequenceState] = deque()
         self._slots: list[SequenceState | None] = [None] * self.kv_slots
@@ -151,10 +133,24 @@ class Engine:
         self._prefilling: list[SequenceState] = []
         self.mixed_calls = 0  # decode calls since load that also carried prompt chunks (counted under their K too)
         self._updated: dict[int, SequenceState] = {}  # requests with news for the next delta
-        self.prefix = PrefixCache(self.kv_slots, enabled=prefix_cache and not self.proposer.wants_hidden_states)
+        self.prefix = PrefixCache(self.kv_slots, enabled=config.prefix_cache and not self.proposer.wants_hidden_states)
         self._next_id = 0
-        self.dispatcher = self.warmup(dispatch)
+        self.dispatcher = self.warmup(config.dispatch)
         self.proposer.limit_depth(self.dispatcher.useful_depth)
+
+    def _make_proposer(self, method: str, config: EngineConfig) -> Proposer:
+        """The method's proposer from the config's knobs; a head method's head lives in the target's package."""
+        knobs = config.proposer_knobs()
+        if method in HEAD_METHODS:
+            knobs = {"package": self.model.package} | knobs
+        return make_proposer(method, **knobs)
+
+    def _slots_for(self, max_batch_size: int | None) -> int:
+        """Sequences in flight: ``max_batch_size``, at most the package's decode rows (default: all of them)."""
+        slots = self.model.decode_rows
+        if max_batch_size is not None and not 1 <= max_batch_size <= slots:
+            raise ConfigError(f"max_batch_size {max_batch_size} must be in [1, {slots}] (the decode rows)")
+        return max_batch_size or slots
 
     def warmup(self, dispatch: str) -> Dispatcher:
         """Run every specialization on padding (the first request pays no set-up); returns the dispatcher,
@@ -232,7 +228,7 @@ class Engine:
             seq.row = row
             bound.input_ids[row, : len(tokens)] = tokens
             bound.position_ids[row, : len(tokens)] = np.arange(start, start + len(tokens))
-        self.calls[k] += 1
+        self.calls[str(k)] += 1
         self.mixed_calls += bool(chunks)
         begin = time.perf_counter()
         logits = self.model.run(bound)
@@ -309,10 +305,6 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self._waiting) or self.num_running > 0
 
-    def check_prompt(self, prompt_ids: Sequence[int], *, name: str = "prompt") -> None:
-        """Raise unless ``prompt_ids`` fits the package's context (PromptTooLongError names both numbers)."""
-        check_fits(name, list(prompt_ids), self.model.ctx_len)
-
     def add_request(
         self, prompt_ids: Sequence[int], params: SamplingParams | None = None, *, arrival: float | None = None
     ) -> int:
@@ -328,10 +320,8 @@ class Engine:
         return request_id
 
     def abort(self, request_id: int) -> bool:
-        """Drop a request now: it leaves the queue or frees its slot; its last delta comes with the next step.
-
-        Returns False when the request is unknown or already finished.
-        """
+        """Drop a request now: it leaves the queue or frees its slot, its last delta comes with the next step;
+        False when the request is unknown or already finished."""
         waiting = next((seq for seq in self._waiting if seq.index == request_id), None)
         if waiting is not None:
             self._waiting.remove(waiting)
@@ -370,9 +360,9 @@ class Engine:
             self._retire()
             decoding = any(seq is not None for seq in slots)
         mix = self.model.mixes_prefill and decoding
-        while self._waiting and self._room():
+        while self._waiting and self.num_running < self.num_slots:  # a KV slot is then free
             group = []
-            while self._waiting and self._room() and len(group) < per_call:
+            while self._waiting and self.num_running < self.num_slots and len(group) < per_call:
                 seq = self._waiting.popleft()
                 seq.slot, seq.prefilled = self.prefix.take(seq.prompt, [s for s, x in enumerate(slots) if x is None])
                 slots[seq.slot] = seq
@@ -383,10 +373,6 @@ class Engine:
                 continue
             self.prefill(group)
             self._retire()
-
-    def _room(self) -> bool:
-        """A waiting request may take a slot: fewer than ``num_slots`` in flight (a KV slot is then free)."""
-        return self.num_running < self.num_slots
 
     def _retire(self) -> None:
         now = time.perf_counter()
@@ -431,12 +417,7 @@ class Engine:
         :meth:`step`; the engine must have no request of its own in flight.
         """
         prompts = as_prompt_list(prompts)
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise ConfigError(
-                f"got {len(params)} sampling params for {len(prompts)} prompts; give one or one per prompt"
-            )
+        params = params_per_prompt(params, len(prompts))
         if self.has_unfinished():
             raise ConfigError("generate() needs an idle engine: requests added with add_request() are still in flight")
         encoded = [self.tokenizer.encode_prompt(p, chat=chat) for p in prompts]

@@ -30,6 +30,11 @@ DepthLimit = Callable[["Proposal", int, bool, float], int]
 Tokens = np.ndarray | Sequence[int]
 
 
+def unknown_request(request_id: RequestId) -> KeyError:
+    """The error of a proposer asked about a request it was never told of (every proposer raises this one)."""
+    return KeyError(f"unknown request {request_id!r}: call start() before extend/propose/finish")
+
+
 def as_tokens(tokens: Tokens) -> np.ndarray:
     """``tokens`` as a 1-D int64 array (a copy only when needed)."""
     arr = np.asarray(tokens, dtype=np.int64)

@@ -26,7 +26,7 @@ import numpy as np
 
 from qspec.errors import ConfigError
 from qspec.runtime.heads import HEAD_METHOD_ALIASES, HEAD_PROPOSERS
-from qspec.runtime.proposal import Proposal, Proposer, RequestId, Tokens, as_tokens
+from qspec.runtime.proposal import Proposal, Proposer, RequestId, Tokens, as_tokens, unknown_request
 from qspec.runtime.sampling import SamplingParams
 from qspec.runtime.suffix import SuffixProposer
 
@@ -166,10 +166,6 @@ class PromptLookup:
 # --------------------------------------------------------------------------------------------
 
 
-def _unknown_request(request_id: RequestId) -> KeyError:
-    return KeyError(f"unknown request {request_id!r}: call start() before extend/propose/finish")
-
-
 class NoProposer(Proposer):
     """Proposes nothing: every step is a plain decode (K=0 when compiled)."""
 
@@ -212,7 +208,7 @@ class PromptLookupProposer(Proposer):
         try:
             return self._lookups[request_id]
         except KeyError:
-            raise _unknown_request(request_id) from None
+            raise unknown_request(request_id) from None
 
     def extend(self, request_id: RequestId, new_tokens: Tokens) -> None:
         self._lookup(request_id).extend(new_tokens)
@@ -251,7 +247,7 @@ class UserProposer(Proposer):
 
     def _check(self, request_id: RequestId) -> None:
         if request_id not in self._history:
-            raise _unknown_request(request_id)
+            raise unknown_request(request_id)
 
     def start(
         self, request_id: RequestId, prompt_tokens: Tokens, params: SamplingParams | None = None, rng: Rng = None

@@ -200,3 +200,12 @@ def as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], (int, np.integer, dict)):
         return [prompts]
     return list(prompts)
+
+
+def params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
+    """One :class:`SamplingParams` per prompt: ``params`` for all (default: greedy, 128 tokens), or one each."""
+    if params is None or isinstance(params, SamplingParams):
+        return [params or SamplingParams()] * count
+    if len(params) != count:
+        raise ConfigError(f"got {len(params)} sampling params for {count} prompts; give one or one per prompt")
+    return list(params)

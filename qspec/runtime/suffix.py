@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from qspec.errors import ConfigError
-from qspec.runtime.proposal import Proposal, Proposer, RequestId, Tokens
+from qspec.runtime.proposal import Proposal, Proposer, RequestId, Tokens, unknown_request
 from qspec.runtime.sampling import SamplingParams
 
 DEFAULT_MAX_TREE_DEPTH = 24
@@ -246,7 +246,7 @@ class SuffixProposer(Proposer):
         try:
             return self._requests[request_id]
         except KeyError:
-            raise KeyError(f"unknown request {request_id!r}: call start() before extend/propose/finish") from None
+            raise unknown_request(request_id) from None
 
     def start(
         self,

@@ -62,13 +62,13 @@ class ServeOptions(FrozenModel):
 
 def build(options: ServeOptions):
     """(app, worker): the engine loaded, its thread not yet started (the app's lifespan starts it)."""
+    from qspec.runtime.config import EngineConfig
     from qspec.runtime.engine import Engine
     from qspec.serve.app import create_app
     from qspec.serve.metrics import ServeMetrics
     from qspec.serve.worker import EngineWorker
 
-    engine = Engine(
-        options.package,
+    config = EngineConfig.create(
         method=options.method,
         max_batch_size=options.max_batch_size,
         dispatch=options.dispatch,
@@ -77,6 +77,7 @@ def build(options: ServeOptions):
         prefix_cache=options.prefix_cache,
         **options.method_options,
     )
+    engine = Engine(options.package, config)
     metrics = ServeMetrics(options.model_name, engine.ks if options.method != "none" else [0])
     worker = EngineWorker(engine, metrics, max_waiting=options.max_waiting)
     return create_app(engine, worker, served_model_name=options.model_name, api_key=options.api_key), worker

@@ -29,7 +29,7 @@ from qspec.bench.peers.models import ORT_GENAI_PRECISIONS, PeerUnavailable, buil
 from qspec.bench.peers.workers import ADAPTIVE, GREEDY, LOOKUP
 from qspec.bench.plan import RunConfig, Steps
 from qspec.bench.report import RunnerInfo, Skipped
-from qspec.bench.runners import RequestResult, RoundResult, Runner
+from qspec.bench.runners import RequestResult, RoundResult, WorkerRunner
 from qspec.bench.workers import BenchError, Worker
 from qspec.runtime.metrics import RequestMetrics
 
@@ -81,7 +81,7 @@ def peer_request(answer: dict) -> RequestResult:
     return RequestResult(list(answer["tokens"]), "", metrics)
 
 
-class PeerRunner(Runner):
+class PeerRunner(WorkerRunner):
     """One peer model in one worker process; its configurations are variants (greedy, lookup) of it."""
 
     target: str  # the worker target (qspec.bench.workers.TARGETS)
@@ -90,13 +90,13 @@ class PeerRunner(Runner):
     def __init__(
         self, backend: str, variants: dict[str, RunConfig], *, threads: int, eos_token_ids: list[int], ctx_len: int
     ) -> None:
+        super().__init__()
         self.backend = backend
         self.variants = {config.key: variant for variant, config in variants.items()}
         self.configs = list(variants.values())
         self.threads = threads
         self.eos_token_ids = eos_token_ids
         self.ctx_len = ctx_len
-        self.worker: Worker | None = None
         self.builds: list = []  # PeerBuild, what prepare made or found
 
     def prepare(self, steps: Steps) -> list:
@@ -107,36 +107,23 @@ class PeerRunner(Runner):
         """Build what the peer needs, then load it in its worker; PeerUnavailable when it cannot run."""
         args = self.prepare(steps)
         steps.say(f"loading {self.what} (a worker process)")
-        self.worker = Worker(self.target, *args)
+        worker = Worker(self.target, *args, name=self.what)
         try:
-            loaded = self.worker.receive(f"loading {self.what}")
+            loaded = worker.receive(f"loading {self.what}")
         except BenchError as exc:
-            self.worker = None
             raise PeerUnavailable(str(exc)) from None
+        self.workers[self.backend] = worker
         steps.step(f"{self.what} loaded")
         return RunnerInfo(
             versions=loaded["versions"], load_s=loaded["load_s"], threads=self.threads, builds=self.builds
         )
 
     def run(self, config: RunConfig, prompts: list[list[int]], max_new_tokens: int) -> RoundResult:
-        assert self.worker is not None, f"{type(self).__name__}.run before start"
-        answers = self.worker.ask(config.key, (self.variants[config.key], prompts, max_new_tokens))
+        assert self.workers, f"{type(self).__name__}.run before start"
+        answers = self.workers[self.backend].ask(config.key, (self.variants[config.key], prompts, max_new_tokens))
         results = [peer_request(a) for a in answers]
         calls = Counter(prefill=len(answers), forward=sum(a["calls"] for a in answers))
         return RoundResult(results, sum(r.metrics.e2e_s for r in results), calls)
-
-    def stop(self) -> float | None:
-        if self.worker is None:
-            return None
-        try:
-            return self.worker.ask(f"stopping {self.what}", "stop")["peak_rss_mb"]
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        if self.worker is not None:
-            self.worker.close()
-            self.worker = None
 
 
 def ort_genai_configs(precision: str, adaptive: bool = False) -> dict[str, RunConfig]:

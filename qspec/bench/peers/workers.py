@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from qspec.bench.machine import peak_rss_mb, rss_mb
+from qspec.bench.workers import serve_requests, timed_load
 
 GREEDY = "greedy"
 LOOKUP = "lookup"  # the peer's own n-gram / prompt-lookup speculation
@@ -44,22 +44,14 @@ def answer(
 
 
 def serve(conn, what: str, load: Callable[[], dict[str, str]], generate: Callable[[str, list[int], int], dict]) -> None:
-    """Load, then answer requests until ``"stop"``; an exception goes to the parent as ``{"error"}``."""
-    try:
-        begin = time.perf_counter()
-        versions = load()
-        conn.send({"load_s": round(time.perf_counter() - begin, 2), "versions": versions})
-        while True:
-            message = conn.recv()
-            if message == "stop":
-                conn.send({"peak_rss_mb": round(peak_rss_mb(), 1), "rss_mb": round(rss_mb(), 1)})
-                return
-            variant, prompts, max_new_tokens = message
-            conn.send([generate(variant, ids, max_new_tokens) for ids in prompts])
-    except Exception as exc:  # sent to the parent, which raises it as a BenchError
-        conn.send({"error": f"{what}: {type(exc).__name__}: {exc}"})
-    finally:
-        conn.close()
+    """Load, then answer ``(variant, prompts, max_new_tokens)`` until ``"stop"``
+    (:func:`~qspec.bench.workers.serve_requests`)."""
+
+    def answer(message) -> list[dict]:
+        variant, prompts, max_new_tokens = message
+        return [generate(variant, ids, max_new_tokens) for ids in prompts]
+
+    serve_requests(conn, what, timed_load(load), answer)
 
 
 # --------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ The child imports the runtime, notes its resident set, loads the package as ``qs
 shared session, weights pre-packed, KV buffers allocated) and notes it again: the load's own bytes, apart
 from the interpreter and the libraries, and the whole process's after load, as ``ps`` shows it.
 
-    python -m qspec.backends.ort_memory PACKAGE   # prints one JSON line
+    python -m qspec.runtime.memory PACKAGE   # prints one JSON line
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def measure(package: str) -> ResidentMemory:
 def resident_after_load(package: str | Path) -> ResidentMemory:
     """:func:`measure` in a child process (this one keeps nothing loaded); a failed load is a one-line error."""
     result = subprocess.run(
-        [sys.executable, "-m", "qspec.backends.ort_memory", str(package)], capture_output=True, text=True, check=False
+        [sys.executable, "-m", "qspec.runtime.memory", str(package)], capture_output=True, text=True, check=False
     )
     lines = result.stdout.strip().splitlines()
     if result.returncode != 0 or not lines:
