@@ -17,6 +17,8 @@ FAMILIES = (
     "olmo2",
     "gemma2",
     "gemma3_text",
+    "mixtral",
+    "qwen3_moe",
 )
 VOCAB = 320  # 256 byte tokens + 3 specials fit below this
 
@@ -85,6 +87,16 @@ FAMILY_SETTINGS = {
         sliding_window=6,
         layer_types=["sliding_attention", "full_attention"],
         rope_local_base_freq=100.0,
+    ),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),  # top-2 of 4, weights normalised
+    # top-2 of 4, weights not normalised; layer 1 a dense MLP
+    "qwen3_moe": dict(
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        norm_topk_prob=False,
+        mlp_only_layers=[1],
     ),
 }
 

@@ -112,6 +112,9 @@ ADAPTERS: dict[str, Adapter] = {
         scales=_config_scales,
         fused_attention=False,
     ),
+    # mixture of experts: the MLP as every expert weighed by the router (qspec.export.moe)
+    "mixtral": Adapter("mixtral", window=_config_window),
+    "qwen3_moe": Adapter("qwen3_moe", qk_norm=True, window=_layer_window),
 }
 
 

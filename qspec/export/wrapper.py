@@ -24,6 +24,7 @@ from torch import nn
 
 from qspec.export.adapters import ADAPTERS, Adapter, Scales, adapter_for, attention_info, supported_families
 from qspec.export.ctx_ops import ctx_gather, ctx_gather_cb, ctx_scatter, ctx_scatter_cb
+from qspec.export.moe import is_moe, static_moe
 
 __all__ = ["ADAPTERS", "Adapter", "KVExplicitLM", "Scales", "adapter_for", "attention_info", "supported_families"]
 
@@ -189,7 +190,7 @@ class KVExplicitLM(nn.Module):
         if norms != "pre":
             attn_out = layer.post_attention_layernorm(attn_out)
         hidden = hidden + self._residual(attn_out)
-        mlp = layer.mlp
+        mlp = layer.mlp if not is_moe(layer.mlp) else lambda x: static_moe(layer.mlp, x)
         if norms == "pre":
             mlp_out = mlp(layer.post_attention_layernorm(hidden))
         elif norms == "post":
@@ -232,7 +233,7 @@ class KVExplicitLM(nn.Module):
 
     def layer_signature(self, i: int) -> tuple:
         """Layers with equal signatures trace to the same graph (only their weights differ)."""
-        return (self.windows[i], self.rope_of[i])
+        return (self.windows[i], self.rope_of[i], is_moe(self.layers[i].mlp))
 
     def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos``, ``sin`` ``[batch, 1, seq, tables * rotary_dim]``: every RoPE table, side by side."""
