@@ -66,8 +66,9 @@ class Graph:
         self.session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         info = meta.model
         kv_len = ctx + (runtime.kv_slack(ctx) if runtime is not None else 0)
-        shape = (rows, info.num_kv_heads, kv_len, info.head_dim)
-        self.kv = {name: np.zeros(shape, np.float32) for name in contract.kv_names(info.num_layers)}
+        shape = (rows, info.num_kv_heads, kv_len)
+        names = contract.kv_names(info.num_layers)
+        self.kv = {name: np.zeros((*shape, width), np.float32) for name, width in zip(names, info.kv_widths())}
         self._bound = {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in self.kv.items()}
         self.speculative = meta.options.speculative
         self.bucketed = meta.options.comp_ctx_lengths

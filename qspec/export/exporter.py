@@ -29,6 +29,7 @@ from qspec.common import build_directory
 from qspec.errors import ConfigError, QSpecError
 from qspec.export.graph import OPSET, ExportOptions, check_graph
 from qspec.export.loader import ModelSource, load_model, load_skeleton, materialize, resolve_source, source_digest
+from qspec.export.mla import is_latent, kv_dims
 from qspec.export.wrapper import adapter_for, attention_info
 
 if TYPE_CHECKING:
@@ -250,11 +251,13 @@ def _model_info(model, tokenizer) -> ModelInfo:
         if value is not None:
             eos.update(value if isinstance(value, (list, tuple)) else [value])
     spec_fields = {k: v for k, v in config.to_dict().items() if k in ("num_speculative_tokens", "speculative_config")}
+    key_width, value_width = kv_dims(attn) if is_latent(attn) else (attn.head_dim, attn.head_dim)
     return ModelInfo(
         model_type=config.model_type,
         num_layers=len(model.model.layers),
-        num_kv_heads=config.num_key_value_heads,
-        head_dim=attn.head_dim,
+        num_kv_heads=config.num_attention_heads if is_latent(attn) else config.num_key_value_heads,
+        head_dim=key_width,
+        value_head_dim=value_width if value_width != key_width else None,
         vocab_size=config.vocab_size,
         eos_token_ids=sorted(eos),
         speculative_config=spec_fields,

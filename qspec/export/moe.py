@@ -1,38 +1,87 @@
 """Mixture-of-experts MLPs in static shapes, as QEfficient exports them: every expert runs on every token.
 
-transformers' MoE blocks (Mixtral, Qwen3-MoE) send each token to its top-k experts with data-dependent
-gathers and a loop over the experts hit, which a statically compiled graph cannot hold. Here the block's
-own router picks the top-k experts and their weights (normalised or not, as the family's router does), the
-weights are scattered to a dense ``[tokens, experts]`` table (zero off the top-k), and every expert's MLP
-runs on every token from the block's stacked ``[experts, ...]`` weights (two einsums); the table weighs and
-sums their outputs. Same result (a token's sum over its top-k experts; the other terms are exact zeros),
-static shapes, ``num_experts / top_k`` times the MLP's arithmetic.
+transformers' MoE blocks (Mixtral, Qwen3-MoE, DeepSeek-V3) send each token to its top-k experts with
+data-dependent gathers and a loop over the experts hit, which a statically compiled graph cannot hold. Here a
+family's router (:data:`ROUTERS`) turns the block's own router weights into a dense routing table
+``[batch, seq, experts]`` (a token's weight for each of its top-k experts, exact zeros elsewhere), every expert's
+MLP runs on every token from the block's stacked ``[experts, ...]`` weights (two einsums), and the table weighs
+and sums their outputs. Same result, static shapes, ``num_experts / top_k`` times the MLP's arithmetic.
+
+Everything stays ``[batch, seq, ...]``, no token axis flattened and restored: a shape the graph computes from
+the call's sizes would be the exported call's, and the ort backend runs the MLPs on fewer tokens than the call
+holds (its rows trimmed or its live tokens packed, :mod:`qspec.backends.ort_tokens`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
+from torch.nn import functional as F
+
+Router = Callable[[nn.Module, torch.Tensor], torch.Tensor]  # (router module, x [b, s, h]) -> table [b, s, experts]
 
 
 def is_moe(mlp: nn.Module) -> bool:
-    """A transformers MoE block with a top-k router (``gate``) and stacked experts (``experts.gate_up_proj``)."""
+    """A transformers MoE block: a router (``gate``) and stacked experts (``experts.gate_up_proj``)."""
     return hasattr(mlp, "experts") and hasattr(mlp.experts, "gate_up_proj") and hasattr(mlp, "gate")
 
 
-def static_moe(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``block`` (a MoE block, :func:`is_moe`) on ``x`` ``[batch, seq, hidden]`` with every expert computed.
+def dense_table(chosen: torch.Tensor, weights: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``[..., experts]`` from the top-k ``chosen`` experts and their ``weights`` ``[..., k]``; zero elsewhere.
 
-    Example, 4 experts, top 2: a token routed to experts 3 and 0 with weights 0.7, 0.3 gets the table row
-    ``[0.3, 0, 0, 0.7]``: its output is ``0.3 * e0(x) + 0.7 * e3(x)``, experts 1 and 2 weighted by zero.
+    Example, 4 experts: chosen ``[3, 0]``, weights ``[0.7, 0.3]`` -> ``[0.3, 0, 0, 0.7]``.
     """
-    batch, seq, hidden = x.shape
-    flat = x.reshape(-1, hidden)  # [tokens, hidden]
-    _, weights, chosen = block.gate(flat)  # [tokens, top_k] each
+    hit = chosen[..., None] == torch.arange(num_experts, dtype=chosen.dtype)  # [..., k, experts]
+    return (hit.to(weights.dtype) * weights[..., None]).sum(dim=-2)
+
+
+def softmax_top_k(gate: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Mixtral and Qwen3-MoE: softmax over the experts, top-k, renormalised over the k unless the router says
+    ``norm_topk_prob=False`` (Mixtral always renormalises)."""
+    probs = torch.softmax(F.linear(x, gate.weight).float(), dim=-1)  # [b, s, experts]
+    top, chosen = torch.topk(probs, gate.top_k, dim=-1)
+    if getattr(gate, "norm_topk_prob", True):
+        top = top / top.sum(dim=-1, keepdim=True)
+    return dense_table(chosen, top.to(x.dtype), gate.weight.shape[0])
+
+
+def group_limited(gate: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V3 (``noaux_tc``): sigmoid scores; a group's score is the sum of its two best biased scores
+    (``+ e_score_correction_bias``), only the ``topk_group`` best groups compete, top-k experts among them by
+    biased score, weighed by their unbiased scores (renormalised if ``norm_topk_prob``) times
+    ``routed_scaling_factor``.
+
+    Example, 4 experts in 2 groups, topk_group 1, top 2: biased scores ``[.9, .1, .6, .5]`` -> groups
+    ``[1.0, 1.1]`` -> group 1 alone -> experts 2 and 3.
+    """
+    num_experts, groups = gate.weight.shape[0], gate.num_group
+    size = num_experts // groups
+    scores = F.linear(x.float(), gate.weight.float()).sigmoid()  # [b, s, experts]
+    biased = scores + gate.e_score_correction_bias
+    group_scores = torch.stack(
+        [biased[..., g * size : (g + 1) * size].topk(2, dim=-1)[0].sum(dim=-1) for g in range(groups)], dim=-1
+    )  # [b, s, groups]
+    best = torch.topk(group_scores, gate.topk_group, dim=-1)[1]
+    kept = dense_table(best, torch.ones_like(group_scores[..., :1]).expand_as(best), groups) > 0  # [b, s, groups]
+    group_of = torch.arange(num_experts, dtype=torch.int64) // size
+    allowed = kept.index_select(-1, group_of)  # [b, s, experts]
+    chosen = torch.topk(biased.masked_fill(~allowed, float("-inf")), gate.top_k, dim=-1)[1]
+    weights = scores.gather(-1, chosen)
+    if gate.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return dense_table(chosen, (weights * gate.routed_scaling_factor).to(x.dtype), num_experts)
+
+
+def static_moe(block: nn.Module, x: torch.Tensor, router: Router) -> torch.Tensor:
+    """``block`` (a MoE block, :func:`is_moe`) on ``x`` ``[batch, seq, hidden]`` with every expert computed,
+    weighed by ``router``'s table, plus the block's shared experts if it has them (DeepSeek-V3)."""
+    table = router(block.gate, x)  # [b, s, experts]
     experts = block.experts
-    table = torch.zeros(flat.shape[0], experts.gate_up_proj.shape[0], dtype=weights.dtype)
-    table = table.scatter(1, chosen, weights).to(flat.dtype)  # [tokens, experts]
-    gate_up = torch.einsum("th,eih->tei", flat, experts.gate_up_proj)  # [tokens, experts, 2 * inter]
+    gate_up = torch.einsum("bsh,eih->bsei", x, experts.gate_up_proj)  # [b, s, experts, 2 * inter]
     gate, up = gate_up.chunk(2, dim=-1)
-    out = torch.einsum("tei,ehi->teh", experts.act_fn(gate) * up, experts.down_proj)  # [tokens, experts, hidden]
-    return (out * table[..., None]).sum(dim=1).reshape(batch, seq, hidden)
+    out = torch.einsum("bsei,ehi->bseh", experts.act_fn(gate) * up, experts.down_proj)  # [b, s, experts, hidden]
+    mixed = (out * table[..., None]).sum(dim=2)
+    shared = getattr(block, "shared_experts", None)
+    return mixed if shared is None else mixed + shared(x)
