@@ -99,7 +99,7 @@ FAMILY_SETTINGS = {
         norm_topk_prob=False,
         mlp_only_layers=[1],
     ),
-    # multi-head latent attention (q and kv latents of rank 32 and 24; keys 16 + 8 wide, values 16), interleaved
+    # multi-head latent attention (q and kv latents of rank 32 and 24; keys 16 + 16 wide, values 16), interleaved
     # RoPE; layer 0 dense, layer 1 MoE: top-2 of 8 experts in 4 groups, 2 groups kept, sigmoid scores with a
     # correction bias (save_tiny_model randomizes it), one shared expert, weights renormalised and scaled
     "deepseek_v3": dict(
@@ -107,8 +107,8 @@ FAMILY_SETTINGS = {
         q_lora_rank=32,
         kv_lora_rank=24,
         qk_nope_head_dim=16,
-        qk_rope_head_dim=8,
-        head_dim=8,
+        qk_rope_head_dim=16,
+        head_dim=16,  # the RoPE width (an EAGLE head's Llama config takes it: GroupQueryAttention wants 16k)
         v_head_dim=16,
         n_routed_experts=8,
         num_experts_per_tok=2,

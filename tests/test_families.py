@@ -16,7 +16,7 @@ from tests.test_runtime import PROMPTS, run
 
 torch = pytest.importorskip("torch")
 
-FAMILIES = ("phi3", "granite", "olmo2", "gemma2", "gemma3_text", "mixtral", "qwen3_moe")
+FAMILIES = ("phi3", "granite", "olmo2", "gemma2", "gemma3_text", "mixtral", "qwen3_moe", "deepseek_v3")
 FAKE_COMPILER = Path(__file__).parent / "fake_qaic" / "qaic-compile"
 NEW_TOKENS = 16
 
