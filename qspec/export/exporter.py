@@ -30,6 +30,7 @@ from qspec.errors import ConfigError, QSpecError
 from qspec.export.graph import OPSET, ExportOptions, check_graph
 from qspec.export.loader import ModelSource, load_model, load_skeleton, materialize, resolve_source, source_digest
 from qspec.export.mla import is_latent, kv_dims
+from qspec.export.moe import is_moe, stack_experts
 from qspec.export.wrapper import adapter_for, attention_info
 
 if TYPE_CHECKING:
@@ -197,6 +198,8 @@ def _export_into(folder: Path, source: ModelSource, digest: str, key: str, optio
     start = time.perf_counter()
     say(f"loading {source.ref}")
     skeleton = load_skeleton(source)
+    if skeleton is not None and any(is_moe(layer.mlp) for layer in skeleton[0].model.layers):
+        skeleton = None  # the exporter stacks the experts' weights anew (qspec.export.moe.stack_experts)
     if skeleton is not None:
         model, tokenizer, checkpoint = skeleton
         say(f"streaming the weights from {checkpoint.description} (the model is never held whole)")
@@ -287,6 +290,7 @@ def trace_to_onnx(
     from qspec.export.wrapper import InputMajorLinear, KVExplicitLM, hold_weights_input_major
 
     hold_weights_input_major(model)  # the graph stores MatMul weights [in, out]: nothing to transpose at load
+    stack_experts(model)  # a MoE block's experts as two 2-D MatMul weights
     wrapper = KVExplicitLM(
         model,
         continuous_batching=options.continuous_batching,

@@ -1,11 +1,11 @@
 """Mixture-of-experts MLPs in static shapes, as QEfficient exports them: every expert runs on every token.
 
 transformers' MoE blocks (Mixtral, Qwen3-MoE, DeepSeek-V3) send each token to its top-k experts with
-data-dependent gathers and a loop over the experts hit, which a statically compiled graph cannot hold. Here a
-family's router (:data:`ROUTERS`) turns the block's own router weights into a dense routing table
+data-dependent gathers and a loop over the experts hit, which a statically compiled graph cannot hold. Here the
+family's router (``Adapter.router``) turns the block's own router weights into a dense routing table
 ``[batch, seq, experts]`` (a token's weight for each of its top-k experts, exact zeros elsewhere), every expert's
-MLP runs on every token from the block's stacked ``[experts, ...]`` weights (two einsums), and the table weighs
-and sums their outputs. Same result, static shapes, ``num_experts / top_k`` times the MLP's arithmetic.
+MLP runs on every token, and the table weighs and sums their outputs: two MatMuls over the experts' stacked
+weights (:func:`static_moe`). Same result, static shapes, ``num_experts / top_k`` times the MLP's arithmetic.
 
 Everything stays ``[batch, seq, ...]``, no token axis flattened and restored: a shape the graph computes from
 the call's sizes would be the exported call's, and the ort backend runs the MLPs on fewer tokens than the call
@@ -74,14 +74,46 @@ def group_limited(gate: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return dense_table(chosen, (weights * gate.routed_scaling_factor).to(x.dtype), num_experts)
 
 
+def stack_experts(model: nn.Module) -> int:
+    """:func:`stack_block` on every MoE block of ``model``; returns how many."""
+    blocks = [layer.mlp for layer in model.model.layers if is_moe(layer.mlp)]
+    for block in blocks:
+        stack_block(block)
+    return len(blocks)
+
+
+def stack_block(block: nn.Module) -> None:
+    """Give a MoE block its experts as two 2-D input-major weights.
+
+    ``experts.up_stacked`` ``[hidden, 2 * experts * inter]``: every expert's gate columns, then every expert's up
+    columns; ``experts.down_stacked`` ``[experts * inter, hidden]``: the experts' down projections one under the
+    other. The experts' MLPs are then two plain MatMuls (what the runtime's weight formats quantize), and the
+    table-weighted sum over the experts is the second MatMul's own sum.
+    """
+    experts = block.experts
+    gate_up = experts.gate_up_proj.detach()  # [experts, 2 * inter, hidden]
+    rows, hidden = gate_up.shape[1:]
+    gate, up = gate_up[:, : rows // 2], gate_up[:, rows // 2 :]
+    stacked = torch.cat((gate.reshape(-1, hidden), up.reshape(-1, hidden))).t()  # [hidden, 2 * experts * inter]
+    down = experts.down_proj.detach().transpose(1, 2).reshape(-1, hidden)  # [experts * inter, hidden]
+    experts.up_stacked = nn.Parameter(stacked.contiguous(), requires_grad=False)
+    experts.down_stacked = nn.Parameter(down.contiguous(), requires_grad=False)
+
+
 def static_moe(block: nn.Module, x: torch.Tensor, router: Router) -> torch.Tensor:
-    """``block`` (a MoE block, :func:`is_moe`) on ``x`` ``[batch, seq, hidden]`` with every expert computed,
-    weighed by ``router``'s table, plus the block's shared experts if it has them (DeepSeek-V3)."""
+    """``block`` (a MoE block, :func:`is_moe`, its experts stacked by :func:`stack_block`) on ``x``
+    ``[batch, seq, hidden]`` with every expert computed, weighed by ``router``'s table, plus the block's shared
+    experts if it has them (DeepSeek-V3).
+
+    Example, 2 experts of width 3: the activations ``[a0 a0 a0 | a1 a1 a1]`` are weighed by the table row
+    ``[w0, w1]`` spread to ``[w0 w0 w0 w1 w1 w1]``, then one MatMul with the stacked down projections sums
+    ``w0 * down0(a0) + w1 * down1(a1)``.
+    """
     table = router(block.gate, x)  # [b, s, experts]
     experts = block.experts
-    gate_up = torch.einsum("bsh,eih->bsei", x, experts.gate_up_proj)  # [b, s, experts, 2 * inter]
-    gate, up = gate_up.chunk(2, dim=-1)
-    out = torch.einsum("bsei,ehi->bseh", experts.act_fn(gate) * up, experts.down_proj)  # [b, s, experts, hidden]
-    mixed = (out * table[..., None]).sum(dim=2)
+    count, inter = table.shape[-1], experts.down_stacked.shape[0] // table.shape[-1]
+    gate, up = torch.matmul(x, experts.up_stacked).chunk(2, dim=-1)  # [b, s, experts * inter] each
+    spread = table.index_select(-1, torch.arange(count * inter, dtype=torch.int64) // inter)  # [b, s, e * inter]
+    mixed = torch.matmul(experts.act_fn(gate) * up * spread, experts.down_stacked)  # [b, s, hidden]
     shared = getattr(block, "shared_experts", None)
     return mixed if shared is None else mixed + shared(x)
