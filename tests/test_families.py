@@ -62,7 +62,9 @@ def transformers_greedy(model_dir: Path, prompts: list[list[int]], n: int) -> li
     outs = []
     for prompt in prompts:
         ids = torch.tensor([prompt])
-        out = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        # no EOS: the engine runs with ignore_eos, so an EOS the model picks is a token like any other (min_new_tokens
+        # would instead forbid it, and the next best token would follow)
+        out = hf.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=None)
         outs.append(out[0, len(prompt) :].tolist())
     return outs
 
