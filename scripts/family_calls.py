@@ -38,6 +38,9 @@ def build_model(family: str, folder: Path, *, layers: int, hidden: int) -> Path:
     settings |= dict(num_attention_heads=heads, num_key_value_heads=heads if latent else heads // 2)
     if "head_dim" in settings and not latent:
         settings["head_dim"] = 32
+    if "layer_types" in settings:  # the tests' pattern (Gemma 3: local, global), repeated over the layers
+        pattern = settings["layer_types"]
+        settings["layer_types"] = [pattern[i % len(pattern)] for i in range(layers)]
     config = AutoConfig.for_model(
         family,
         **{
