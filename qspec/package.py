@@ -84,10 +84,15 @@ class ModelInfo(BaseModel):
     num_kv_heads: int
     head_dim: int
     vocab_size: int
+    value_head_dim: int | None = None  # the value buffers' width when it is not head_dim (DeepSeek's MLA)
     kv_dtype: str = "float32"
     eos_token_ids: list[int]
     speculative_config: dict = Field(default_factory=dict)  # the model config's own speculative fields
     attention: AttentionInfo | None = None  # exports before format 4 have none
+
+    def kv_widths(self) -> list[int]:
+        """The last dimension of each KV buffer, in :func:`qspec.contract.kv_names` order (key, value per layer)."""
+        return [self.head_dim, self.value_head_dim or self.head_dim] * self.num_layers
 
 
 class ModelEntry(ModelInfo):

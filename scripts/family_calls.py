@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_FAMILIES = "llama,phi3,granite,olmo2,gemma2,gemma3_text"
+DEFAULT_FAMILIES = "llama,phi3,granite,olmo2,gemma2,gemma3_text,mixtral,qwen3_moe,deepseek_v3"
 
 
 def build_model(family: str, folder: Path, *, layers: int, hidden: int) -> Path:
@@ -34,9 +34,13 @@ def build_model(family: str, folder: Path, *, layers: int, hidden: int) -> Path:
 
     heads = hidden // 32
     settings = dict(FAMILY_SETTINGS.get(family, {}))
-    settings |= dict(num_attention_heads=heads, num_key_value_heads=heads // 2)
-    if "head_dim" in settings:
+    latent = "kv_lora_rank" in settings  # DeepSeek's MLA: every head keeps its key and value; RoPE width as set
+    settings |= dict(num_attention_heads=heads, num_key_value_heads=heads if latent else heads // 2)
+    if "head_dim" in settings and not latent:
         settings["head_dim"] = 32
+    if "layer_types" in settings:  # the tests' pattern (Gemma 3: local, global), repeated over the layers
+        pattern = settings["layer_types"]
+        settings["layer_types"] = [pattern[i % len(pattern)] for i in range(layers)]
     config = AutoConfig.for_model(
         family,
         **{
@@ -63,10 +67,10 @@ class Call:
         options = ort.SessionOptions()
         options.intra_op_num_threads = 1
         self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-        shape = (1, info.num_kv_heads, ctx + slack, info.head_dim)
+        shape = (1, info.num_kv_heads, ctx + slack)
         self.kv = {
-            name: ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32))
-            for name in contract.kv_names(info.num_layers)
+            name: ort.OrtValue.ortvalue_from_numpy(np.zeros((*shape, width), np.float32))
+            for name, width in zip(contract.kv_names(info.num_layers), info.kv_widths())
         }
         self.position = ctx - 8
         self.names = {value.name for value in self.session.get_inputs()}

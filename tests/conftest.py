@@ -17,6 +17,9 @@ FAMILIES = (
     "olmo2",
     "gemma2",
     "gemma3_text",
+    "mixtral",
+    "qwen3_moe",
+    "deepseek_v3",
 )
 VOCAB = 320  # 256 byte tokens + 3 specials fit below this
 
@@ -86,6 +89,36 @@ FAMILY_SETTINGS = {
         layer_types=["sliding_attention", "full_attention"],
         rope_local_base_freq=100.0,
     ),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),  # top-2 of 4, weights normalised
+    # top-2 of 4, weights not normalised; layer 1 a dense MLP
+    "qwen3_moe": dict(
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        norm_topk_prob=False,
+        mlp_only_layers=[1],
+    ),
+    # multi-head latent attention (q and kv latents of rank 32 and 24; keys 16 + 16 wide, values 16), interleaved
+    # RoPE; layer 0 dense, layer 1 MoE: top-2 of 8 experts in 4 groups, 2 groups kept, sigmoid scores with a
+    # correction bias (save_tiny_model randomizes it), one shared expert, weights renormalised and scaled
+    "deepseek_v3": dict(
+        num_key_value_heads=4,
+        q_lora_rank=32,
+        kv_lora_rank=24,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=16,
+        head_dim=16,  # the RoPE width (an EAGLE head's Llama config takes it: GroupQueryAttention wants 16k)
+        v_head_dim=16,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=4,
+        topk_group=2,
+        n_shared_experts=1,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+    ),
 }
 
 
@@ -99,6 +132,9 @@ def save_tiny_model(folder: Path, family: str, *, tie: bool = True, seed: int = 
         for param in model.parameters():
             if param.dim() > 1:
                 param.normal_(0, 0.3)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek's routing bias: zeros until trained
+                buffer.normal_(0, 0.1)
     model.save_pretrained(folder)
     byte_tokenizer().save_pretrained(folder)
     return folder

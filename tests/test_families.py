@@ -16,7 +16,7 @@ from tests.test_runtime import PROMPTS, run
 
 torch = pytest.importorskip("torch")
 
-FAMILIES = ("phi3", "granite", "olmo2", "gemma2", "gemma3_text")
+FAMILIES = ("phi3", "granite", "olmo2", "gemma2", "gemma3_text", "mixtral", "qwen3_moe", "deepseek_v3")
 FAKE_COMPILER = Path(__file__).parent / "fake_qaic" / "qaic-compile"
 NEW_TOKENS = 16
 
@@ -62,7 +62,9 @@ def transformers_greedy(model_dir: Path, prompts: list[list[int]], n: int) -> li
     outs = []
     for prompt in prompts:
         ids = torch.tensor([prompt])
-        out = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        # no EOS: the engine runs with ignore_eos, so an EOS the model picks is a token like any other (min_new_tokens
+        # would instead forbid it, and the next best token would follow)
+        out = hf.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=None)
         outs.append(out[0, len(prompt) :].tolist())
     return outs
 
@@ -111,3 +113,25 @@ def test_qaic_backend_writes_its_files(built, family):
     for i in range(manifest.model.num_layers):
         assert f"IOName: past_key.{i}\n" in custom_io and f"IOName: past_value.{i}_RetainedState\n" in custom_io
     assert (package / "head" / "qpc" / "programqpc.bin").is_file()
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3"])
+def test_static_moe_equals_the_family_block(tiny_model, family):
+    """Every MoE block, experts stacked and routed by the family's router (softmax top-k, normalised or not;
+    DeepSeek-V3's group-limited sigmoid routing with its correction bias, plus shared experts), equals the
+    transformers block on random tokens within 1e-5."""
+    from transformers import AutoModelForCausalLM
+
+    from qspec.export.adapters import adapter_for
+    from qspec.export.moe import is_moe, stack_block, static_moe
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model(family), dtype=torch.float32).eval()
+    router = adapter_for(model.config).router
+    blocks = [layer.mlp for layer in model.model.layers if is_moe(layer.mlp)]
+    assert blocks
+    x = torch.randn(2, 7, model.config.hidden_size)
+    for block in blocks:
+        with torch.no_grad():
+            want = block(x)
+            stack_block(block)
+            torch.testing.assert_close(static_moe(block, x, router), want, atol=1e-5, rtol=1e-5)

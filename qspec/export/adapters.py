@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from qspec.errors import UnsupportedModelError
+from qspec.export.moe import Router, group_limited, softmax_top_k
 
 # RoPE variants whose frequencies do not depend on the sequence length, so one graph serves all.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -91,6 +92,7 @@ class Adapter:
     scales: Callable[..., Scales] = _no_scales  # constant factors around the computation
     # ONNX Runtime's GroupQueryAttention computes this family's attention (the ort backend fuses it)
     fused_attention: bool = True
+    router: Router | None = None  # a mixture-of-experts family's routing (qspec.export.moe)
 
 
 ADAPTERS: dict[str, Adapter] = {
@@ -112,6 +114,12 @@ ADAPTERS: dict[str, Adapter] = {
         scales=_config_scales,
         fused_attention=False,
     ),
+    # mixture of experts: the MLP as every expert weighed by the router (qspec.export.moe)
+    "mixtral": Adapter("mixtral", window=_config_window, router=softmax_top_k),
+    "qwen3_moe": Adapter("qwen3_moe", qk_norm=True, window=_layer_window, router=softmax_top_k),
+    # multi-head latent attention (qspec.export.mla; GroupQueryAttention does not compute it), group-limited
+    # routing and shared experts; its first first_k_dense_replace layers have a dense MLP
+    "deepseek_v3": Adapter("deepseek_v3", router=group_limited, fused_attention=False),
 }
 
 

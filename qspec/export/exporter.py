@@ -29,6 +29,8 @@ from qspec.common import build_directory
 from qspec.errors import ConfigError, QSpecError
 from qspec.export.graph import OPSET, ExportOptions, check_graph
 from qspec.export.loader import ModelSource, load_model, load_skeleton, materialize, resolve_source, source_digest
+from qspec.export.mla import is_latent, kv_dims
+from qspec.export.moe import is_moe, stack_experts
 from qspec.export.wrapper import adapter_for, attention_info
 
 if TYPE_CHECKING:
@@ -196,6 +198,8 @@ def _export_into(folder: Path, source: ModelSource, digest: str, key: str, optio
     start = time.perf_counter()
     say(f"loading {source.ref}")
     skeleton = load_skeleton(source)
+    if skeleton is not None and any(is_moe(layer.mlp) for layer in skeleton[0].model.layers):
+        skeleton = None  # the exporter stacks the experts' weights anew (qspec.export.moe.stack_experts)
     if skeleton is not None:
         model, tokenizer, checkpoint = skeleton
         say(f"streaming the weights from {checkpoint.description} (the model is never held whole)")
@@ -250,11 +254,13 @@ def _model_info(model, tokenizer) -> ModelInfo:
         if value is not None:
             eos.update(value if isinstance(value, (list, tuple)) else [value])
     spec_fields = {k: v for k, v in config.to_dict().items() if k in ("num_speculative_tokens", "speculative_config")}
+    key_width, value_width = kv_dims(attn) if is_latent(attn) else (attn.head_dim, attn.head_dim)
     return ModelInfo(
         model_type=config.model_type,
         num_layers=len(model.model.layers),
-        num_kv_heads=config.num_key_value_heads,
-        head_dim=attn.head_dim,
+        num_kv_heads=config.num_attention_heads if is_latent(attn) else config.num_key_value_heads,
+        head_dim=key_width,
+        value_head_dim=value_width if value_width != key_width else None,
         vocab_size=config.vocab_size,
         eos_token_ids=sorted(eos),
         speculative_config=spec_fields,
@@ -284,6 +290,7 @@ def trace_to_onnx(
     from qspec.export.wrapper import InputMajorLinear, KVExplicitLM, hold_weights_input_major
 
     hold_weights_input_major(model)  # the graph stores MatMul weights [in, out]: nothing to transpose at load
+    stack_experts(model)  # a MoE block's experts as two 2-D MatMul weights
     wrapper = KVExplicitLM(
         model,
         continuous_batching=options.continuous_batching,

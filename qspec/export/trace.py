@@ -122,7 +122,8 @@ def piece_specs(lm: nn.Module, info, options) -> list[PieceSpec]:
         with torch.no_grad():
             hidden, *shared = lm.prologue(ids, torch.arange(seq).repeat(batch, 1))
         rows_dim = Dim(f"rows_layer{j}", min=1) if options.continuous_batching else b
-        kv = torch.zeros(rows if options.continuous_batching else batch, info.num_kv_heads, ctx, info.head_dim)
+        kv_rows = rows if options.continuous_batching else batch
+        key, value = (torch.zeros(kv_rows, info.num_kv_heads, ctx, width) for width in info.kv_widths()[:2])
         kv_shape = {0: rows_dim, 2: Dim(f"ctx_layer{j}", min=2)}
         names, examples = [*LAYER_IN], [hidden, *shared]
         shapes = [{0: b, 1: s}, {0: b, 2: s}, {0: b, 2: s}, {0: b, 1: s}, {0: b}, {0: b, 1: s}]
@@ -131,7 +132,7 @@ def piece_specs(lm: nn.Module, info, options) -> list[PieceSpec]:
             examples.append(torch.arange(batch, dtype=torch.int64)[:, None] * 2 % rows)
             shapes.append({0: b})
         names += ["past_key", "past_value"]
-        examples += [kv, kv.clone()]
+        examples += [key, value]
         shapes += [kv_shape, kv_shape]
         if options.comp_ctx_lengths:
             names.append(contract.COMP_CTX_LENGTHS)

@@ -24,6 +24,8 @@ from torch import nn
 
 from qspec.export.adapters import ADAPTERS, Adapter, Scales, adapter_for, attention_info, supported_families
 from qspec.export.ctx_ops import ctx_gather, ctx_gather_cb, ctx_scatter, ctx_scatter_cb
+from qspec.export.mla import is_latent, kv_dims, latent_qkv
+from qspec.export.moe import is_moe, static_moe
 
 __all__ = ["ADAPTERS", "Adapter", "KVExplicitLM", "Scales", "adapter_for", "attention_info", "supported_families"]
 
@@ -112,9 +114,10 @@ class KVExplicitLM(nn.Module):
         self.register_buffer("inv_freq", torch.tensor([t[0] for t in tables]), persistent=False)  # [tables, d/2]
         self.register_buffer("rope_scales", torch.tensor([[t[1]] for t in tables]), persistent=False)
         attn = decoder.layers[0].self_attn
-        self.head_dim = attn.head_dim
+        self.latent = is_latent(attn)  # DeepSeek's MLA: every head keeps its own key and value (qspec.export.mla)
+        self.head_dim = kv_dims(attn)[0] if self.latent else attn.head_dim
         self.num_heads = model.config.num_attention_heads
-        self.num_kv_heads = model.config.num_key_value_heads
+        self.num_kv_heads = self.num_heads if self.latent else model.config.num_key_value_heads
         self.windows = [self.adapter.window(model.config, i, layer.self_attn) for i, layer in enumerate(decoder.layers)]
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *rest: torch.Tensor):
@@ -189,7 +192,7 @@ class KVExplicitLM(nn.Module):
         if norms != "pre":
             attn_out = layer.post_attention_layernorm(attn_out)
         hidden = hidden + self._residual(attn_out)
-        mlp = layer.mlp
+        mlp = layer.mlp if not is_moe(layer.mlp) else lambda x: static_moe(layer.mlp, x, self.adapter.router)
         if norms == "pre":
             mlp_out = mlp(layer.post_attention_layernorm(hidden))
         elif norms == "post":
@@ -232,7 +235,7 @@ class KVExplicitLM(nn.Module):
 
     def layer_signature(self, i: int) -> tuple:
         """Layers with equal signatures trace to the same graph (only their weights differ)."""
-        return (self.windows[i], self.rope_of[i])
+        return (self.windows[i], self.rope_of[i], is_moe(self.layers[i].mlp))
 
     def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos``, ``sin`` ``[batch, 1, seq, tables * rotary_dim]``: every RoPE table, side by side."""
@@ -246,15 +249,11 @@ class KVExplicitLM(nn.Module):
         attn = layer.self_attn
         batch, seq, _ = x.shape
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
-        q, k, v = self._projections(attn, x)
-        if self.adapter.qk_norm_full:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k, v = q.view(batch, seq, heads, dim), k.view(batch, seq, kv_heads, dim), v.view(batch, seq, kv_heads, dim)
-        if self.adapter.qk_norm:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q = _rope(q.transpose(1, 2), cos, sin)  # [batch, heads, seq, dim]
-        k = _rope(k.transpose(1, 2), cos, sin).to(kv[0].dtype)  # [batch, kv_heads, seq, dim]
-        v = v.transpose(1, 2).to(kv[1].dtype)
+        if self.latent:
+            q, k, v = latent_qkv(attn, x, cos, sin, interleave=bool(getattr(self.config, "rope_interleave", False)))
+        else:
+            q, k, v = self._head_states(attn, x, cos, sin)  # [batch, heads or kv_heads, seq, dim]
+        k, v = k.to(kv[0].dtype), v.to(kv[1].dtype)
 
         new_keys, new_values = _write(kv[0], k, slots, valid, batch_index), _write(kv[1], v, slots, valid, batch_index)
         keys, values = _read(new_keys, reads, batch_index), _read(new_values, reads, batch_index)  # [b, kv, read, dim]
@@ -267,8 +266,21 @@ class KVExplicitLM(nn.Module):
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)  # [batch, kv, groups, seq, ctx]
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
         out = torch.matmul(probs, values.unsqueeze(2).to(q.dtype))  # [batch, kv, groups, seq, dim]
-        out = out.reshape(batch, heads, seq, dim).transpose(1, 2).reshape(batch, seq, heads * dim)
+        width = values.shape[-1]
+        out = out.reshape(batch, heads, seq, width).transpose(1, 2).reshape(batch, seq, heads * width)
         return attn.o_proj(out), (new_keys, new_values)
+
+    def _head_states(self, attn, x, cos, sin):
+        """q ``[batch, heads, seq, dim]``, k and v ``[batch, kv_heads, seq, dim]``, q and k normed and rotated."""
+        batch, seq, _ = x.shape
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v = self._projections(attn, x)
+        if self.adapter.qk_norm_full:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k, v = q.view(batch, seq, heads, dim), k.view(batch, seq, kv_heads, dim), v.view(batch, seq, kv_heads, dim)
+        if self.adapter.qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        return _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
 
     def _projections(self, attn, x):
         """q, k, v ``[batch, seq, heads * head_dim]`` from three projections or one fused ``qkv_proj``."""

@@ -114,9 +114,9 @@ class CompiledModel(LoadedModel):
         self.load_seconds = time.perf_counter() - begin
 
         dtype = np.float16 if model.kv_dtype == "float16" else np.float32
-        shape = (self.rows, model.num_kv_heads, self.kv_len, model.head_dim)
+        shape = (self.rows, model.num_kv_heads, self.kv_len)
         self.kv_names = contract.kv_names(model.num_layers)
-        self.kv = [ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, dtype=dtype)) for _ in self.kv_names]
+        self.kv = [ort.OrtValue.ortvalue_from_numpy(np.zeros((*shape, w), dtype=dtype)) for w in model.kv_widths()]
         self.bindings: dict[Specialization, OrtBinding] = {spec: self._bind(spec, sessions[spec]) for spec in specs}
         self._index()
         # One session with free seq_len over a graph that packs live tokens and keeps a KV row per slot: a
