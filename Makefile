@@ -75,10 +75,10 @@ lint: install
 	$(BIN)/ruff format --check .
 
 test: install model lint
-	$(BIN)/pytest -q -p no:cacheprovider
+	$(BIN)/pytest -q -p no:cacheprovider -n auto --dist loadfile
 
 test-fast: install
-	$(BIN)/pytest -q -m "not slow"
+	$(BIN)/pytest -q -m "not slow" -n auto --dist loadfile
 
 # A Llama-3.2-1B (SCALE=1b) or Llama-3.1-8B (SCALE=8b) shaped model with random bf16 weights: checkpoint written
 # shard by shard, cold int4 compile, parity of a 2-layer cut, none == pld, 2 slots; times, peak RSS, bytes written

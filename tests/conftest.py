@@ -24,6 +24,15 @@ FAMILIES = (
 VOCAB = 320  # 256 byte tokens + 3 specials fit below this
 
 
+def pytest_configure(config):
+    """Under pytest-xdist each worker runs on its own core (worker i on core i mod cores), so sessions that size
+    their thread pools by the cores they may use (ONNX Runtime's spinning pools, torch) never fight each other."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    cores = sorted(os.sched_getaffinity(0))
+    if worker.startswith("gw") and len(cores) > 1:
+        os.sched_setaffinity(0, {cores[int(worker[2:]) % len(cores)]})
+
+
 def byte_tokenizer():
     """A byte-level BPE tokenizer with no merges: every text encodes, vocabulary 259 tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
