@@ -3,9 +3,10 @@
 ::
 
     chat template ──► requests-magpie.jsonl ──┐  (the target writes requests, :mod:`qspec.heads.magpie`)
-    chit-chat prompts, instructions ──────────┼─► answers-NAME.jsonl ──► teacher-NAME-*.npz ──► train ──► head
-                                              │   (target's greedy)     (3 taps + greedy labels)
-    MT-bench first turns (evaluation only) ───┴─► eval/answers-mtbench.jsonl ──► eval/teacher-mtbench-*.npz
+    chit-chat prompts, instructions ──────────┼─► teacher-NAME-*.npz ──► train ──► head
+                                              │   (greedy answers + their 3 taps and labels, one batched
+                                              │    KV-cached pass: :mod:`qspec.heads.eagle3_generate`)
+    MT-bench first turns (evaluation only) ───┴─► eval/teacher-mtbench-*.npz
 
 Everything runs on the source model in torch (the checkpoint or GGUF the package was compiled from, as
 its manifest records, or ``model``): taps come from ``output_hidden_states``, as SpecForge computes them.
@@ -97,7 +98,8 @@ def data_phases(model, tokenizer, work: Path, options: Eagle3DataOptions, say: P
     """Requests, answers and teacher shards in ``work``: ``{"train": [shards], "mtbench": [shards], "times"}``."""
     from qspec.heads.data import chat_prompts, instruction_prompts
     from qspec.heads.eagle3_data import check_taps, default_taps, write_teacher_shards
-    from qspec.heads.magpie import write_answers, write_requests
+    from qspec.heads.eagle3_generate import write_generated_shards
+    from qspec.heads.magpie import encode_prompts, write_requests
 
     layers = model.config.num_hidden_layers
     taps = check_taps(options.taps or default_taps(layers), layers)
@@ -111,14 +113,14 @@ def data_phases(model, tokenizer, work: Path, options: Eagle3DataOptions, say: P
     if options.instructions:
         sources["instructions"] = instruction_prompts(options.instructions, seed=options.seed)
     shards: dict[str, list[Path]] = {"train": [], "mtbench": []}
-    answer = dict(stop_ids=stop, max_new_tokens=options.max_new_tokens, batch=options.batch, progress=say)
+    answer = dict(taps=taps, stop_ids=stop, max_new_tokens=options.max_new_tokens, batch=options.batch, progress=say)
     if options.eval_mt_bench:
         (work / "eval").mkdir(exist_ok=True)
         with _timed(times, "eval"):
-            path = work / "eval" / "answers-mtbench.jsonl"
             chats = mt_bench_first_turns()[:: 80 // options.eval_mt_bench][: options.eval_mt_bench]
-            records = write_answers(model, tokenizer, chats, path, screen=False, **answer)
-            shards["mtbench"] = write_teacher_shards(model, records, work / "eval", "teacher-mtbench", taps=taps)
+            shards["mtbench"] = write_generated_shards(
+                model, encode_prompts(tokenizer, chats, screen=False), work / "eval", "teacher-mtbench", **answer
+            )
     if options.magpie:
         with _timed(times, "requests"):
             path, batch = work / "requests-magpie.jsonl", max(options.batch, 16)
@@ -128,10 +130,8 @@ def data_phases(model, tokenizer, work: Path, options: Eagle3DataOptions, say: P
         sources = {"magpie": [[{"role": "user", "content": r["prompt"]}] for r in requests]} | sources
     for name, prompts in sources.items():
         with _timed(times, "answers"):
-            records = write_answers(model, tokenizer, prompts, work / f"answers-{name}.jsonl", **answer)
-        times_path.write_text(json.dumps(times, indent=2) + "\n")
-        with _timed(times, "teacher"):
-            shards["train"] += write_teacher_shards(model, records, work, f"teacher-{name}", taps=taps, progress=say)
+            encoded = encode_prompts(tokenizer, prompts)
+            shards["train"] += write_generated_shards(model, encoded, work, f"teacher-{name}", **answer)
         times_path.write_text(json.dumps(times, indent=2) + "\n")
     if options.dialogues:
         with _timed(times, "teacher"):

@@ -156,6 +156,16 @@ def write_requests(
 # Answers ------------------------------------------------------------------------------------------------
 
 
+def encode_prompts(
+    tokenizer, prompts: list[list[dict]], *, max_prompt_tokens: int = 768, screen: bool = True
+) -> list[list[int]]:
+    """The chat-template token ids of ``prompts``, without those over ``max_prompt_tokens`` and (``screen``)
+    those that quote MT-bench."""
+    guard = mt_bench_guard() if screen else set()
+    encoded = [tokenizer.encode(tokenizer.render_chat(p), add_special_tokens=False) for p in prompts]
+    return [e for e, p in zip(encoded, prompts) if len(e) <= max_prompt_tokens and screen_prompts([p], guard)]
+
+
 def write_answers(
     model,
     tokenizer,
@@ -177,9 +187,7 @@ def write_answers(
 
     say = progress or (lambda message: None)
     done = read_jsonl(output)
-    encoded = [tokenizer.encode(tokenizer.render_chat(p), add_special_tokens=False) for p in prompts]
-    guard = mt_bench_guard() if screen else set()
-    encoded = [e for e, p in zip(encoded, prompts) if len(e) <= max_prompt_tokens and screen_prompts([p], guard)]
+    encoded = encode_prompts(tokenizer, prompts, max_prompt_tokens=max_prompt_tokens, screen=screen)
     for at in range(len(done), len(encoded), batch):
         chunk = encoded[at : at + batch]
         width = max(map(len, chunk))
