@@ -16,8 +16,8 @@ HEAD_ARGS ?= --prompts 736 --instructions 2000 --answer-with source --dialogues 
 # The EAGLE-3 head (three taps, training-time test), trained in PyTorch on the source model (`make head3`).
 HEAD3 := heads/smollm2-135m-instruct-eagle3
 HEAD3_PACKAGE := packages/smollm2-k0
-HEAD3_ARGS ?= --magpie 16 --prompts 0 --instructions 0 --dialogues 150 --max-new-tokens 128 \
-  --ttt-steps 1 --draft-vocab 4096 --epochs 20 --lr 1e-3 --threads 1
+HEAD3_ARGS ?= --magpie 128 --prompts 160 --instructions 320 --dialogues 0 --max-new-tokens 256 \
+  --ttt-steps 3 --draft-vocab 4096 --epochs 4 --lr 1e-3 --threads 1
 SERVE_PACKAGE := packages/smollm2-k0_4-fbs4
 CHAT_PROMPT := examples/chat.txt
 export HF_HUB_OFFLINE := 1
@@ -61,9 +61,9 @@ head: install model
 	  --hidden-states --output $(HEAD_PACKAGE)
 	$(BIN)/qspec train-head $(HEAD_PACKAGE) --method eagle $(HEAD_ARGS) --output $(HEAD) --work-dir $(HEAD)-work
 
-# Remake the EAGLE-3 head: the model writes requests from its chat template (Magpie) and answers them, chit-chat
-# prompts and instructions are answered, dialogues teacher-forced; the head trains on the taps (2, 15, 27) of the
-# source model with the training-time test. Phases resume from $(HEAD3)-work (heads/README.md has the wall times).
+# Remake the EAGLE-3 head: the model writes requests from its chat template (Magpie), and answers them, chit-chat
+# prompts and instructions greedily (taps (2, 15, 27) and labels read off the same batched forwards); the head
+# trains with the training-time test. Phases resume from $(HEAD3)-work ($(HEAD3)/README.md has the wall times).
 head3: install model
 	$(BIN)/qspec compile $(GGUF) --num-speculative-tokens 0 --ctx-len 1024 --output $(HEAD3_PACKAGE)
 	nice -n 10 $(BIN)/qspec train-head $(HEAD3_PACKAGE) --method eagle3 $(HEAD3_ARGS) --output $(HEAD3) \

@@ -39,7 +39,7 @@ class Eagle3DataOptions(FrozenModel):
     instructions: int = Field(default=400, ge=0)  # instructions of eight kinds (qspec.heads.prompts)
     dialogues: int = Field(default=0, ge=0)  # chit-chat dialogues teacher-forced (no generation: one forward)
     max_new_tokens: int = Field(default=160, ge=1)
-    batch: int = Field(default=16, ge=1)  # prompts per generate call
+    batch: int = Field(default=32, ge=1)  # prompts per batched generation
     taps: tuple[int, int, int] | None = None  # default (2, L // 2, L - 3)
     eval_mt_bench: int = Field(default=16, ge=0, le=80)  # MT-bench first turns answered into eval/ (never trained)
     seed: int = 0

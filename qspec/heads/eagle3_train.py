@@ -41,10 +41,10 @@ class Eagle3Options(FrozenModel):
     draft_vocab: int = Field(default=8192, ge=16)
     epochs: int = Field(default=2, ge=1)
     lr: float = Field(default=1e-3, gt=0)
-    batch_tokens: int = Field(default=1024, ge=16)  # tokens of padded sequences per batch
+    batch_tokens: int = Field(default=512, ge=16)  # tokens of padded sequences per batch
     max_tokens: int = Field(default=512, ge=8)  # sequences cut to this many tokens
-    held_out: int = Field(default=32, ge=0)  # records kept out for the learning curve
-    eval_every: int = Field(default=12, ge=0)  # batches between learning-curve points (0: per epoch)
+    held_out: int = Field(default=12, ge=0)  # records kept out for the learning curve
+    eval_every: int = Field(default=80, ge=0)  # batches between learning-curve points (0: per epoch)
     save_every: int = Field(default=50, ge=1)
     eval_depth: int = Field(default=3, ge=1)
     init: Literal["lens", "random"] = "random"  # see qspec.heads.eagle3_model.head_from_target
