@@ -82,7 +82,12 @@ def test_compile_unsupported_model_leaves_nothing(tmp_path):
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=300)).save_pretrained(model_dir)
     out = tmp_path / "pkg"
     result = qspec("compile", str(model_dir), "-k", "0,4", "-o", str(out))
-    assert_one_line_error(result, "gpt2", "gemma2, gemma3_text, granite, llama, mistral, olmo2, phi3, qwen2, qwen3")
+    assert_one_line_error(
+        result,
+        "gpt2",
+        "deepseek_v3, gemma2, gemma3_text, granite, llama, mistral, mixtral,",
+        "olmo2, phi3, qwen2, qwen3, qwen3_moe",
+    )
     assert not out.exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".pkg")]  # no temporary leftovers
 
