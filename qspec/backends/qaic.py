@@ -223,7 +223,7 @@ def run_compiler(argv: list[str], *, cwd: Path) -> None:
         raise CompileError(f"{argv[0]} exited 0 but wrote no {QPC_DIR}/{QPC_PROGRAM}")
 
 
-def _resolve_compiler(run: bool | None) -> str | None:
+def resolve_compiler(run: bool | None) -> str | None:
     """The compiler to run, or None when not running; ``run=True`` requires one."""
     if run is False:
         return None
@@ -306,7 +306,7 @@ def prepare_qaic(
     write_text_atomic(package_dir / CUSTOM_IO_FILE, custom_io)
     mdp_rel = _write_mdp(package_dir, options)
 
-    compiler = _resolve_compiler(run)
+    compiler = resolve_compiler(run)
     argv = qaic_compile_argv(
         compiler=compiler or DEFAULT_COMPILER,
         onnx_path=onnx_rel,

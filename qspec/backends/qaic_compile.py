@@ -20,14 +20,13 @@ from qspec.backends.qaic import (
     QPC_DIR,
     SCRIPT_FILE,
     compile_script,
-    find_compiler,
     prepare_qaic,
     qaic_compile_argv,
+    resolve_compiler,
     run_compiler,
     write_executable,
 )
 from qspec.common import write_text_atomic
-from qspec.errors import ConfigError
 from qspec.head_manifest import HEAD_ONNX
 from qspec.package import ONNX_FILE, SPECIALIZATIONS_FILE
 
@@ -126,9 +125,7 @@ def prepare_head_qaic(head_dir: Path, kind: HeadKind, options: QaicOptions, *, r
     """Write ``custom_io.yaml`` (the kind's) and ``compile_qaic.sh`` for the head graph (paths relative to
     ``head_dir``); compile when a compiler is found (``run=None``), always (``True``) or never (``False``)."""
     write_text_atomic(head_dir / CUSTOM_IO_FILE, kind.custom_io(options.io_float_dtype))
-    compiler = None if run is False else find_compiler()
-    if run and compiler is None:
-        raise ConfigError("no QAIC compiler found: set QAIC_COMPILE or put qaic-compile on PATH")
+    compiler = resolve_compiler(run)
     argv = qaic_compile_argv(
         compiler=compiler or DEFAULT_COMPILER,
         onnx_path=HEAD_ONNX,
