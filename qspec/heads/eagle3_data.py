@@ -83,25 +83,32 @@ def write_teacher_shards(
         for b in range(0, len(order), batch):
             picked = order[b : b + batch]
             rows |= dict(zip(picked, teacher_rows(model, [seqs[i] for i in picked], taps)))
-        lengths = np.array([len(s) for s in seqs])
-        tmp = path.with_suffix(".tmp.npz")
-        np.savez(
-            tmp,
-            taps=np.concatenate([rows[i][0] for i in range(len(seqs))]),
-            labels=np.concatenate([rows[i][1] for i in range(len(seqs))]),
-            tokens=np.concatenate([np.asarray(s, np.int32) for s in seqs]),
-            starts=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
-            answer_starts=np.array(
-                [
-                    start + min(len(r["prompt_ids"]), n)
-                    for start, r, n in zip(np.cumsum(lengths) - lengths, chunk, lengths)
-                ],
-                np.int64,
-            ),
+        cuts = [min(len(r["prompt_ids"]), len(seq)) for r, seq in zip(chunk, seqs)]  # the prompt's share of a cut seq
+        write_shard(
+            path,
+            [
+                {"prompt_ids": seq[:cut], "answer_ids": seq[cut:], "taps": rows[i][0], "labels": rows[i][1]}
+                for i, (seq, cut) in enumerate(zip(seqs, cuts))
+            ],
         )
-        tmp.rename(path)
         say(f"teacher {name}: shard {number + 1}/{(len(records) + shard - 1) // shard}")
     return paths
+
+
+def write_shard(path: Path, records: list[dict]) -> None:
+    """One shard of ``records`` (``prompt_ids``, ``answer_ids``, ``taps``, ``labels``), written whole or not at all."""
+    lengths = np.array([len(r["prompt_ids"]) + len(r["answer_ids"]) for r in records])
+    starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    tmp = path.with_suffix(".tmp.npz")
+    np.savez(
+        tmp,
+        taps=np.concatenate([r["taps"] for r in records]),
+        labels=np.concatenate([r["labels"] for r in records]),
+        tokens=np.concatenate([np.asarray(list(r["prompt_ids"]) + list(r["answer_ids"]), np.int32) for r in records]),
+        starts=starts,
+        answer_starts=starts[:-1] + np.array([len(r["prompt_ids"]) for r in records], np.int64),
+    )
+    tmp.rename(path)
 
 
 def load_shards(paths: list[Path]) -> dict:

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from qspec.heads.eagle3_data import write_shard
+
 Progress = Callable[[str], None]
 
 
@@ -113,22 +115,7 @@ def write_generated_shards(
             )
             done |= dict(zip(picked, records))
         records = [done[i] for i in range(len(chunk))]
-        _write_shard(path, records)
+        write_shard(path, records)
         tokens = sum(len(r["answer_ids"]) for r in records)
         say(f"generated {name}: shard {number + 1}/{count}, {tokens} answer tokens")
     return paths
-
-
-def _write_shard(path: Path, records: list[dict]) -> None:
-    lengths = np.array([len(r["prompt_ids"]) + len(r["answer_ids"]) for r in records])
-    starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    tmp = path.with_suffix(".tmp.npz")
-    np.savez(
-        tmp,
-        taps=np.concatenate([r["taps"] for r in records]),
-        labels=np.concatenate([r["labels"] for r in records]),
-        tokens=np.concatenate([np.asarray(r["prompt_ids"] + r["answer_ids"], np.int32) for r in records]),
-        starts=starts,
-        answer_starts=starts[:-1] + np.array([len(r["prompt_ids"]) for r in records], np.int64),
-    )
-    tmp.rename(path)
