@@ -348,7 +348,8 @@ def cached_runtime_graph(
 
     settings = (
         f"{export_key}|{weight_format}|{BLOCK_SIZE}|{ACCURACY_LEVEL}|{SYMMETRIC}|{rope_positions}|{RECIPE_VERSION}|"
-        f"{_versions()}|{'lone' if lone_query else 'padded'}|{'gguf' if gguf is not None else ''}"
+        f"{_versions()}|{'lone' if lone_query else 'padded'}|{'gguf' if gguf is not None else ''}|"
+        f"{moe.model_dump_json() if moe is not None else ''}"
     )
     key = hashlib.sha256(settings.encode()).hexdigest()[:24]
     final = cache_root() / "ort-graphs" / key
