@@ -74,6 +74,19 @@ class AttentionInfo(BaseModel):
     rope_scaling: float = 1.0  # multiplies cos and sin
 
 
+class MoEInfo(BaseModel):
+    """The mixture-of-experts blocks ONNX Runtime's ``MoE`` operator routes as the model does (softmax over the
+    experts, top-k, the k weights renormalised or not): the runtime graph runs them as that operator
+    (:mod:`qspec.backends.ort_moe`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    layers: list[int]  # the layers whose MLP is such a block
+    num_experts: int
+    top_k: int
+    normalize: bool  # the top-k weights divided by their sum
+
+
 class ModelInfo(BaseModel):
     """What the runtime needs to know about an exported model, without loading it."""
 
@@ -89,6 +102,7 @@ class ModelInfo(BaseModel):
     eos_token_ids: list[int]
     speculative_config: dict = Field(default_factory=dict)  # the model config's own speculative fields
     attention: AttentionInfo | None = None  # exports before format 4 have none
+    moe: MoEInfo | None = None  # softmax top-k MoE blocks (Mixtral, Qwen3-MoE); None: none, or another routing
 
     def kv_widths(self) -> list[int]:
         """The last dimension of each KV buffer, in :func:`qspec.contract.kv_names` order (key, value per layer)."""

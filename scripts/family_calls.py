@@ -1,11 +1,15 @@
 """Per model family: nodes of the ort backend's fp32 runtime graph, fused and unfused, and a one-token call's time.
 
     nice -n 10 python scripts/family_calls.py [--families phi3,gemma2] [--layers 8] [--hidden 256] [--calls 200]
+    nice -n 10 python scripts/family_calls.py --moe --families mixtral --format int4
 
 Each family is a random model of transformers' own class (no download) at ``--hidden`` width and ``--layers``
 layers, the family's own settings from ``tests/conftest.py``. Its export is turned into two runtime graphs:
 **unfused** (RMSNorm fusions only, attention as exported) and **fused** (attention as ONNX Runtime's
-``GroupQueryAttention`` where the family admits it: the ort backend's graph). A one-token decode call at
+``GroupQueryAttention`` where the family admits it, softmax top-k experts as ONNX Runtime's ``MoE``: the ort
+backend's graph). With ``--moe`` (MoE families), the two graphs are the ort backend's graph in ``--format``
+with the experts in the plain static form (two MatMuls, ``MatMulNBits`` in int8/int4) and with ONNX
+Runtime's ``MoE`` (``QMoE`` in int8/int4), attention fused in both. A one-token decode call at
 position ``ctx - 8`` of a ``--ctx`` buffer is timed on each, interleaved, one thread; medians are printed as a
 markdown table (nodes, ms per call, unfused/fused).
 """
@@ -106,12 +110,17 @@ def measure(family: str, work: Path, args) -> dict:
 
     model = build_model(family, work / family, layers=args.layers, hidden=args.hidden)
     folder, meta = export_model(model, ExportOptions())
-    attention = meta.model.attention
+    attention, moe = meta.model.attention, meta.model.moe
+    variants = (("unfused", None, None), ("fused", attention, moe))
+    if args.moe:
+        variants = (("unfused", attention, None), ("fused", attention, moe))  # plain experts; the MoE operator
     graphs = {}
-    for kind, info in (("unfused", None), ("fused", attention)):
-        if kind == "fused" and info is None:
+    for kind, info, experts in variants:
+        if kind == "fused" and (info is None if not args.moe else experts is None):
             continue
-        graph_dir, runtime = cached_runtime_graph(folder, meta.key, "fp32", attention=info, positions=args.ctx + 16)
+        graph_dir, runtime = cached_runtime_graph(
+            folder, meta.key, args.format, attention=info, positions=args.ctx + 16, moe=experts
+        )
         vendor_data = graph_dir / "model.onnx.data"  # the fp32 graph reads the export's weights beside it
         if vendor_data.name in (runtime.vendor_data_file, runtime.data_file) and not vendor_data.exists():
             os.link(folder / "model.onnx.data", vendor_data)
@@ -135,12 +144,20 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--moe", action="store_true", help="plain experts against ONNX Runtime's MoE operator")
+    parser.add_argument("--format", default="fp32", choices=["fp32", "int8", "int4"])
     args = parser.parse_args()
+    load = os.getloadavg()[0]
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with tempfile.TemporaryDirectory() as tmp:
         os.environ.setdefault("QSPEC_CACHE_DIR", str(Path(tmp) / "cache"))
         rows = [measure(family, Path(tmp), args) for family in args.families.split(",")]
-    print(f"layers {args.layers}, hidden {args.hidden}, ctx {args.ctx}, fp32, 1 thread, median of {args.calls} calls\n")
+    print(
+        f"layers {args.layers}, hidden {args.hidden}, ctx {args.ctx}, {args.format}, 1 thread, "
+        f"median of {args.calls} calls, load average {load:.1f} at the start\n"
+    )
+    if args.moe:
+        print("unfused: experts as plain MatMuls; fused: ONNX Runtime's MoE operator (attention fused in both)\n")
     print("| family | GQA | nodes unfused | nodes fused | ms unfused | ms fused | unfused / fused |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for r in rows:

@@ -23,6 +23,7 @@ GGUF_ARCH = {
     "phi3": "phi3",
     "gemma2": "gemma2",
     "gemma3_text": "gemma3",
+    "qwen3_moe": "qwen3moe",
 }
 
 
@@ -35,13 +36,15 @@ def save_tiny_gguf(path, family: str, *, tie: bool = True, weights: str = "Q4_1"
     config = tiny_config(family, tie=tie, layers=layers)
     if family == "qwen3":
         config.head_dim = 128  # a qwen3 GGUF gives transformers no head_dim: it takes its default, 128
+    if family == "qwen3_moe":  # llama.cpp's qwen3moe: every layer MoE, top-k weights renormalised
+        config.mlp_only_layers, config.norm_topk_prob = [], True
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     arch = GGUF_ARCH[family]
     writer = gguf.GGUFWriter(path, arch)
     _write_gguf_metadata(writer, config)
     names = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), layers)
-    for name, tensor in model.state_dict().items():
+    for name, tensor in _llama_cpp_tensors(model.state_dict()):
         if tie and name == "lm_head.weight":
             continue  # a tied GGUF has no output.weight
         base, suffix = name.rsplit(".", 1)
@@ -55,12 +58,30 @@ def save_tiny_gguf(path, family: str, *, tie: bool = True, weights: str = "Q4_1"
         if data.ndim > 1:
             kind = gguf.GGMLQuantizationType["Q8_0" if "embed" in name else weights]
         stored = data if kind == gguf.GGMLQuantizationType.F32 else gguf.quants.quantize(data, kind)
-        writer.add_tensor(f"{names.get_name(base)}.{suffix}", stored, raw_dtype=kind)
+        gguf_name = f"{names.get_name(base)}.{suffix}" if not base.startswith("blk.") else name
+        writer.add_tensor(gguf_name, stored, raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _llama_cpp_tensors(state_dict):
+    """``(name, tensor)`` of a state dict, a MoE block's stacked experts as llama.cpp's converter writes them:
+    ``experts.gate_up_proj`` ``[experts, 2 * inter, hidden]`` split into ``blk.{i}.ffn_gate_exps.weight`` and
+    ``ffn_up_exps.weight``, ``experts.down_proj`` as ``blk.{i}.ffn_down_exps.weight``."""
+    for name, tensor in state_dict.items():
+        if ".mlp.experts." not in name:
+            yield name, tensor
+            continue
+        block = name.split(".")[2]
+        if name.endswith("gate_up_proj"):
+            gate, up = tensor.chunk(2, dim=1)
+            yield f"blk.{block}.ffn_gate_exps.weight", gate.contiguous()
+            yield f"blk.{block}.ffn_up_exps.weight", up.contiguous()
+        else:
+            yield f"blk.{block}.ffn_down_exps.weight", tensor
 
 
 def _write_gguf_metadata(writer, config) -> None:
@@ -84,6 +105,10 @@ def _write_gguf_metadata(writer, config) -> None:
         writer.add_value_length(config.head_dim)
     if getattr(config, "sliding_window", None):
         writer.add_sliding_window(config.sliding_window)
+    if getattr(config, "num_experts", None):
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     vocab = sorted(byte_tokenizer().get_vocab(), key=byte_tokenizer().get_vocab().get)
     tokens = vocab + [f"<extra_{i}>" for i in range(config.vocab_size - len(vocab) - 1)] + ["ab"]
     writer.add_tokenizer_model("gpt2")
@@ -252,22 +277,24 @@ def test_streamed_smollm2_gguf_export_is_byte_identical(tmp_path, monkeypatch):
     assert streamed == loaded
 
 
-# qwen3_moe: transformers reads its GGUF too, but not the tiny one written here (its experts' gate_up_proj loads
-# at half its size); mixtral, granite, olmo2 and deepseek_v3 GGUFs transformers does not read.
-@pytest.mark.parametrize("family", ["phi3", "gemma2", "gemma3_text"])
+# mixtral, granite, olmo2 and deepseek_v3 GGUFs transformers does not read.
+@pytest.mark.parametrize("family", ["phi3", "gemma2", "gemma3_text", "qwen3_moe"])
 def test_family_gguf_exports_what_transformers_reads(tmp_path, family):
     """A tiny GGUF of a family transformers reads (written as llama.cpp writes it) exports to a graph whose logits
-    over a prompt equal those of transformers' own GGUF load within 1e-4."""
+    over a prompt equal those of transformers' own GGUF load within 1e-4 (qwen3_moe: with the expert width
+    transformers' config reading leaves out, ``loader.GGUF_CONFIG_GAPS``, as the export reads it)."""
     import numpy as np
     from transformers import AutoModelForCausalLM
 
     from qspec.export import export_model
+    from qspec.export.loader import _gguf_read_once
     from tests.test_export import TOL, Graph
 
     gguf_file = save_tiny_gguf(tmp_path / "m.gguf", family, weights="Q8_0")
     folder, meta = export_model(gguf_file, ExportOptions())
     prompt = np.random.default_rng(3).integers(3, 259, size=6).tolist()
     logits = Graph(folder, meta, rows=1).run([prompt], [list(range(len(prompt)))], keep=len(prompt))[0]
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=gguf_file.name, dtype=torch.float32).eval()
+    with _gguf_read_once():
+        hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=gguf_file.name, dtype=torch.float32).eval()
     with torch.no_grad():
         np.testing.assert_allclose(logits, hf(torch.tensor([prompt])).logits[0].numpy(), atol=TOL)

@@ -51,7 +51,13 @@ def runtime_graph(folder, meta, graph: str = "vendor"):
 
     positions = 2 * max(CTX, 48)  # ctx_len and slack of every Graph below (SmolLM2's test: ctx 48)
     graph_dir, runtime = cached_runtime_graph(
-        folder, meta.key, "fp32", attention=meta.model.attention, positions=positions, lone_query=graph == "ort-lone"
+        folder,
+        meta.key,
+        "fp32",
+        attention=meta.model.attention,
+        positions=positions,
+        lone_query=graph == "ort-lone",
+        moe=meta.model.moe,
     )
     # it reads the export's weights (all of them when attention is not fused): put it beside them
     assert ONNX_FILE + ".data" in (runtime.vendor_data_file, runtime.data_file)

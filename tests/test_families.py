@@ -100,6 +100,37 @@ def test_quantized_runtime_graph_keeps_greedy_output(built, family, fmt):
         assert run(packages[fmt], PROMPTS, n=NEW_TOKENS, method=method, dispatch="cover")[0] == plain, method
 
 
+@pytest.mark.parametrize("fmt", ["fp32", "int8", "int4"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3"])
+def test_runtime_graph_runs_softmax_top_k_experts_as_the_moe_operator(built, family, fmt):
+    """Mixtral's and Qwen3-MoE's every MoE layer is one ``com.microsoft.MoE`` node in the fp32 runtime graph, one
+    ``QMoE`` in int8/int4, and no TopK of the static form is left; DeepSeek-V3's group-limited routing keeps the
+    static form (its TopKs). The vendor graph (the qaic package's) keeps the static form. Greedy output: the tests
+    above."""
+    import onnx
+
+    from qspec.package import ONNX_FILE, read_manifest
+
+    _, packages = built(family)
+    manifest = read_manifest(packages[fmt])
+    graph = manifest.runtime_graph
+
+    def op_types(path) -> list[str]:
+        return [node.op_type for node in onnx.load(str(path), load_external_data=False).graph.node]
+
+    ops = op_types(packages[fmt] / graph.file)
+    moe = manifest.model.moe
+    layers = [i for i in range(manifest.model.num_layers) if family != "qwen3_moe" or i != 1]  # qwen3: 1 is dense
+    if family == "deepseek_v3":
+        assert moe is None and graph.fusions.get("moe", 0) == 0 and "TopK" in ops
+        return
+    op = "MoE" if fmt == "fp32" else "QMoE"
+    assert moe.layers == layers and moe.normalize == (family == "mixtral")  # the tests' qwen3: norm_topk_prob off
+    assert graph.fusions["moe"] == len(layers) and ops.count(op) == len(layers) and "TopK" not in ops
+    vendor = op_types(packages["qaic"] / ONNX_FILE)
+    assert "MoE" not in vendor and vendor.count("TopK") == len(layers)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_qaic_backend_writes_its_files(built, family):
     """--backend qaic through the stand-in compiler: custom IO for every layer's KV, the QPC, the head's program."""

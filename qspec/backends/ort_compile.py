@@ -53,6 +53,7 @@ class OrtBackend(CompileBackend):
             # no drafts, no verify call whose rounding a one-token call must match
             lone_query=config.num_speculative_tokens == (0,),
             gguf=exported.gguf,
+            moe=exported.meta.model.moe,
         )
         return BuiltGraph(folder, graph)
 

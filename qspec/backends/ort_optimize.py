@@ -10,6 +10,9 @@ only, in this order:
    With the export's :class:`AttentionInfo`, each layer's attention becomes one
    ``GroupQueryAttention`` node (:mod:`qspec.backends.ort_attention`, which maps the contract's
    position-driven KV write and padding onto it; q, k and v packed into one MatMul).
+   With the export's :class:`MoEInfo`, each softmax top-k mixture-of-experts block (Mixtral, Qwen3-MoE)
+   becomes one ``com.microsoft.MoE`` node running each token's top-k experts only, or ``QMoE`` in int8/int4
+   (:mod:`qspec.backends.ort_moe`); DeepSeek-V3's group-limited routing keeps the static form.
 
 ``fp32`` stops here: the fused graph keeps its own weights, the packed q/k/v and the RoPE tables, in
 ``model.ort.onnx.data``, page-aligned, and reads every other weight from the vendor graph's
@@ -63,6 +66,7 @@ from qspec.package import (
     PACKED_TOKENS,
     TRIMMED_ROWS,
     AttentionInfo,
+    MoEInfo,
     RuntimeGraph,
     WeightFormat,
 )
@@ -71,7 +75,7 @@ Progress = Callable[[str], None]
 
 # Bump when the recipe below changes: cached runtime graphs are keyed by it (and packages, whose draft
 # head graph is built with it: 28, the head's call plan).
-RECIPE_VERSION = 30
+RECIPE_VERSION = 31
 GRAPH_META = "graph.json"
 
 
@@ -203,6 +207,7 @@ def optimize_graph(
     rope_positions: int = 0,
     lone_query: bool = False,
     gguf: Path | None = None,
+    moe: MoEInfo | None = None,
 ) -> RuntimeGraph:
     """Write the embedded backend's graph of ``source`` (the contract graph) to ``target``.
 
@@ -214,8 +219,13 @@ def optimize_graph(
     ``rope_positions`` rows; without it, attention stays as exported. ``lone_query``: a graph for a package
     without drafts runs a one-token call's attention on its token alone (no exactness pad; not with
     several KV rows, whose calls may carry a prompt chunk beside a decode row).
+
+    ``moe``: the export's :class:`MoEInfo`; with it, its MoE blocks become ONNX Runtime's ``MoE`` (fp32) or
+    ``QMoE`` (int8/int4) operator (:mod:`qspec.backends.ort_moe`).
     """
     from qspec.backends.ort_attention import fuse_attention
+    from qspec.backends.ort_moe import FUSION as MOE_FUSION
+    from qspec.backends.ort_moe import fuse_moe
 
     say = progress or (lambda message: None)
     begin = time.perf_counter()
@@ -238,6 +248,13 @@ def optimize_graph(
         if lone:
             fusions[LONE_QUERY] = 1
         drop_unused_functions(model)  # the KV's CtxScatter/CtxGather: attention no longer calls them
+    if moe is not None:
+        say(
+            "fusing mixture-of-experts blocks (MoE)"
+            if bits is None
+            else f"quantizing experts to {weight_format} (QMoE)"
+        )
+        fusions[MOE_FUSION] = fuse_moe(model, moe, bits=bits, settings=(block_size, accuracy_level, symmetric))
     quantized, carried = 0, {}
     own_data, vendor_data = target.with_name(target.name + ".data"), source.name + ".data"
     if bits is None:
@@ -317,6 +334,7 @@ def cached_runtime_graph(
     positions: int = 0,
     lone_query: bool = False,
     gguf: Path | None = None,
+    moe: MoEInfo | None = None,
 ) -> tuple[Path, RuntimeGraph]:
     """The runtime graph of an export (folder holding ``model.ort.onnx`` and its ``.data``), built once.
 
@@ -330,7 +348,8 @@ def cached_runtime_graph(
 
     settings = (
         f"{export_key}|{weight_format}|{BLOCK_SIZE}|{ACCURACY_LEVEL}|{SYMMETRIC}|{rope_positions}|{RECIPE_VERSION}|"
-        f"{_versions()}|{'lone' if lone_query else 'padded'}|{'gguf' if gguf is not None else ''}"
+        f"{_versions()}|{'lone' if lone_query else 'padded'}|{'gguf' if gguf is not None else ''}|"
+        f"{moe.model_dump_json() if moe is not None else ''}"
     )
     key = hashlib.sha256(settings.encode()).hexdigest()[:24]
     final = cache_root() / "ort-graphs" / key
@@ -347,6 +366,7 @@ def cached_runtime_graph(
             rope_positions=rope_positions,
             lone_query=lone_query,
             gguf=gguf,
+            moe=moe,
         )
         (folder / GRAPH_META).write_text(graph.model_dump_json(indent=2) + "\n")
         return graph

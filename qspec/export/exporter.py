@@ -30,7 +30,7 @@ from qspec.errors import ConfigError, QSpecError
 from qspec.export.graph import OPSET, ExportOptions, check_graph
 from qspec.export.loader import ModelSource, load_model, load_skeleton, materialize, resolve_source, source_digest
 from qspec.export.mla import is_latent, kv_dims
-from qspec.export.moe import is_moe, stack_experts
+from qspec.export.moe import is_moe, moe_info, stack_experts
 from qspec.export.wrapper import adapter_for, attention_info
 
 if TYPE_CHECKING:
@@ -38,8 +38,9 @@ if TYPE_CHECKING:
 from qspec.package import ONNX_FILE, TOKENIZER_DIR, ModelInfo
 
 EXPORT_META = "export.json"
-# Bump when the exporter writes a different graph for the same model and options: old exports are stale.
-EXPORT_FORMAT = 5
+# Bump when the exporter writes a different graph or meta for the same model and options: old exports are stale
+# (6: ModelInfo.moe, the MoE blocks the runtime graph runs as ONNX Runtime's MoE operator).
+EXPORT_FORMAT = 6
 
 Progress = Callable[[str], None]
 
@@ -265,6 +266,7 @@ def _model_info(model, tokenizer) -> ModelInfo:
         eos_token_ids=sorted(eos),
         speculative_config=spec_fields,
         attention=attention_info(model),
+        moe=moe_info(model, adapter_for(config).router),
     )
 
 

@@ -126,7 +126,7 @@ def load_model(source: ModelSource):
             tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
             given = {"config": config} if config is not None else {}
             model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **given, **kwargs)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RuntimeError) as exc:  # RuntimeError: weights that do not fit the config
             if not source.is_local:
                 raise ModelLoadError(
                     f"could not load '{source.ref}' from the hub (offline or unknown id?); "
@@ -278,10 +278,31 @@ def _gguf_read_once():
     gguf.GGUFReader, gguf.get_tensor_name_map = read, functools.lru_cache(maxsize=None)(name_map)
     hf_gguf.load_gguf_checkpoint = load_checkpoint
     hf_gguf.tqdm = functools.partial(bar, disable=True)  # its bar would break qspec's progress line
+    added = _missing_config_keys(hf_gguf)
     try:
         yield
     finally:
         gguf.GGUFReader, gguf.get_tensor_name_map, hf_gguf.load_gguf_checkpoint, hf_gguf.tqdm = originals
+        for family, key in added:
+            hf_gguf.GGUF_TO_TRANSFORMERS_MAPPING["config"][family].pop(key, None)
+
+
+# GGUF metadata keys transformers' GGUF config reading leaves out, per family: (GGUF key, config field).
+# qwen3_moe: without it, moe_intermediate_size takes Qwen3MoeConfig's default, 768 (Qwen3-30B-A3B's, not
+# Qwen3-235B-A22B's 1536 nor a tiny model's), and the experts' weights do not fit (transformers 5.24).
+GGUF_CONFIG_GAPS = {"qwen3_moe": ("expert_feed_forward_length", "moe_intermediate_size")}
+
+
+def _missing_config_keys(hf_gguf) -> list[tuple[str, str]]:
+    """Add :data:`GGUF_CONFIG_GAPS` to transformers' GGUF config mapping where it lacks them; the (family, key)
+    pairs added, for the caller to take out again."""
+    mapping = getattr(hf_gguf, "GGUF_TO_TRANSFORMERS_MAPPING", {}).get("config", {})
+    added = []
+    for family, (key, field) in GGUF_CONFIG_GAPS.items():
+        if family in mapping and key not in mapping[family]:
+            mapping[family][key] = field
+            added.append((family, key))
+    return added
 
 
 def _drop_quantizer(model) -> None:

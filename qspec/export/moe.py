@@ -74,6 +74,26 @@ def group_limited(gate: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return dense_table(chosen, (weights * gate.routed_scaling_factor).to(x.dtype), num_experts)
 
 
+def moe_info(model: nn.Module, router: Router | None):
+    """The :class:`~qspec.package.MoEInfo` of ``model``'s MoE blocks when ``router`` is :func:`softmax_top_k`
+    (what ONNX Runtime's ``MoE`` operator computes), else None (DeepSeek-V3's group-limited routing, dense models).
+
+    Example: Qwen3-MoE with ``mlp_only_layers=[1]`` of 2 layers -> layers ``[0]``, normalize ``norm_topk_prob``.
+    """
+    from qspec.package import MoEInfo
+
+    layers = [i for i, layer in enumerate(model.model.layers) if is_moe(layer.mlp)]
+    if router is not softmax_top_k or not layers:
+        return None
+    gate = model.model.layers[layers[0]].mlp.gate
+    return MoEInfo(
+        layers=layers,
+        num_experts=gate.weight.shape[0],
+        top_k=gate.top_k,
+        normalize=bool(getattr(gate, "norm_topk_prob", True)),
+    )
+
+
 def stack_experts(model: nn.Module) -> int:
     """:func:`stack_block` on every MoE block of ``model``; returns how many."""
     blocks = [layer.mlp for layer in model.model.layers if is_moe(layer.mlp)]
