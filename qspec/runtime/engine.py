@@ -39,6 +39,7 @@ from qspec.errors import ConfigError
 from qspec.package import TOKENIZER_DIR
 from qspec.runtime.config import EngineConfig
 from qspec.runtime.dispatch import Dispatcher, check_mode, restrict_ks
+from qspec.runtime.layout import VerifyLayout
 from qspec.runtime.load import load_model
 from qspec.runtime.metrics import EngineMetrics, aggregate
 from qspec.runtime.prefill import PrefillRow, place_rows, run_prefill
@@ -56,7 +57,6 @@ from qspec.runtime.request import (
 )
 from qspec.runtime.sampling import (
     SamplingParams,
-    accept_greedy,
     accept_sampled,
     process_logits,
     sample_tokens,
@@ -197,12 +197,19 @@ class Engine(Scheduler):
         took = time.perf_counter() - begin
         self.seconds["propose"] += took
         self.dispatcher.observe_drafting(took * 1000, sum(cap > 0 for cap in caps))
-        return [proposal.cut(cap) for proposal, cap in zip(proposals, caps)]
+        return [self._verifiable(seq, proposal).cut(cap) for seq, proposal, cap in zip(live, proposals, caps)]
+
+    def _verifiable(self, seq: SequenceState, proposal: Proposal) -> Proposal:
+        """``proposal`` as this row can verify it: a tree's top-1 chain unless the row is greedy, no drafts are
+        forced and the model verifies trees (:attr:`LoadedModel.verifies_trees`)."""
+        if seq.params.greedy and self.force_accept is None and self.model.verifies_trees:
+            return proposal
+        return proposal.chain_only()
 
     def verify(
         self,
         k: int,
-        batch: list[tuple[SequenceState, np.ndarray]],
+        batch: list[tuple[SequenceState, VerifyLayout]],
         chunks: Sequence[tuple[SequenceState, int, list[int]]] = (),
     ) -> tuple[np.ndarray, np.ndarray | None]:
         """One call of the ``seq_len = k + 1`` specialization; logits ``[rows, k + 1, vocab]`` and, on a package
@@ -210,19 +217,20 @@ class Engine(Scheduler):
         ``chunks`` (``(seq, start, tokens)`` of prompts being prefilled) the call is that shape made as wide
         as a prefill chunk (:meth:`LoadedModel.mixed_for`); a chunk's last logits are ``[seq.row, -1]``. Each
         sequence's call row is ``seq.row`` (:func:`~qspec.runtime.prefill.place_rows`: its KV slot, or with more
-        KV slots than rows the next row, ``batch_index`` pointing at the slot)."""
-        end = max([seq.position + len(drafts) + 1 for seq, drafts in batch] + [s + len(t) for _, s, t in chunks])
+        KV slots than rows the next row, ``batch_index`` pointing at the slot). A row is ``[last, drafts...]`` at
+        its layout's positions (a tree's siblings share one, :class:`~qspec.runtime.layout.VerifyLayout`)."""
+        end = max([seq.position + len(layout) + 1 for seq, layout in batch] + [s + len(t) for _, s, t in chunks])
         if chunks:
             bound = self.model.mixed_for(k, max(k + 1, self.model.prefill.spec.seq_len), end)
         else:
             bound = self.model.decode_for(k, end)
         bound.reset()
         rows = place_rows(self.model, bound, [seq.slot for seq, _ in batch] + [seq.slot for seq, _, _ in chunks])
-        for (seq, drafts), row in zip(batch, rows):
-            n, seq.row = len(drafts), row
+        for (seq, layout), row in zip(batch, rows):
+            n, seq.row = len(layout), row
             bound.input_ids[row, 0] = seq.last
-            bound.input_ids[row, 1 : n + 1] = drafts
-            bound.position_ids[row, : n + 1] = np.arange(seq.position, seq.position + n + 1)
+            bound.input_ids[row, 1 : n + 1] = layout.tokens
+            bound.position_ids[row, : n + 1] = layout.positions(seq.position)
         for (seq, start, tokens), row in zip(chunks, rows[len(batch) :]):
             seq.row = row
             bound.input_ids[row, : len(tokens)] = tokens
@@ -234,24 +242,25 @@ class Engine(Scheduler):
         took = time.perf_counter() - begin
         self.seconds["decode"] += took
         if not chunks:  # a chunk's tokens are not K's price
-            live = sum(len(drafts) + 1 for _, drafts in batch)
+            live = sum(len(layout) + 1 for _, layout in batch)
             self.dispatcher.observe_call(k, took * 1000, live)
         return logits, bound.hidden_states
 
-    def accept(self, seq: SequenceState, proposal: Proposal, logits: np.ndarray) -> list[int]:
-        """Accepted drafts plus the bonus, from this row's ``[n + 1, vocab]`` logits."""
-        drafts = proposal.tokens
-        n = len(drafts)
+    def accept(self, seq: SequenceState, proposal: Proposal, logits: np.ndarray) -> tuple[list[int], list[int]]:
+        """``(path, tokens)`` from this row's ``[n + 1, vocab]`` logits: the accepted drafts' indices (a greedy row
+        walks its tree, :meth:`VerifyLayout.walk_greedy`; others are chains) and the emitted tokens, the accepted
+        drafts plus the bonus."""
+        layout = proposal.layout
         if self.force_accept is not None:
-            accepted = min(n, self.force_accept)
-            bonus = sample_tokens(logits[accepted : accepted + 1], seq.params, seq.rng)[0]
-            return [*drafts[:accepted].tolist(), bonus]
-        if seq.params.greedy:
-            accepted, bonus = accept_greedy(logits.argmax(axis=-1), drafts)
+            path = list(range(min(len(layout), self.force_accept)))
+            bonus = sample_tokens(logits[len(path) : len(path) + 1], seq.params, seq.rng)[0]
+        elif seq.params.greedy:
+            path, bonus = layout.walk_greedy(logits.argmax(axis=-1))
         else:
             probs = process_logits(logits, seq.params)
-            accepted, bonus = accept_sampled(probs, drafts, seq.rng, proposal.probs)
-        return [*drafts[:accepted].tolist(), int(bonus)]
+            accepted, bonus = accept_sampled(probs, proposal.tokens, seq.rng, proposal.probs)
+            path = list(range(accepted))
+        return path, [*layout.tokens[path].tolist(), int(bonus)]
 
     def decode(self, live: list[SequenceState]) -> None:
         """One decode step for every live sequence: propose, pick K, verify, accept."""
@@ -259,7 +268,7 @@ class Engine(Scheduler):
         k, depths = self.dispatcher.plan(proposals, greedy=all(seq.params.greedy for seq in live))
         batch = [(seq, p.cut(depth)) for seq, p, depth in zip(live, proposals, depths)]
         chunks = self.next_chunks()
-        logits, hidden = self.verify(k, [(seq, p.tokens) for seq, p in batch], chunks)  # [rows, k + 1, vocab]
+        logits, hidden = self.verify(k, [(seq, p.layout) for seq, p in batch], chunks)  # [rows, k + 1, vocab]
         hidden = hidden if self.proposer.wants_hidden_states else None
         for seq, start, tokens in chunks:
             if hidden is not None:
@@ -271,13 +280,18 @@ class Engine(Scheduler):
         for seq, proposal in batch:
             n = len(proposal)
             row = logits[seq.row, k - n : k + 1]  # right-aligned: the last n + 1 real tokens
-            tokens = self.accept(seq, proposal, row)
-            seq.metrics.target_call(k, proposed=n, accepted=len(tokens) - 1)
-            self.dispatcher.observe_row(seq.index, proposal, len(tokens) - 1)
-            if hidden is not None:  # the rows of `last` and the accepted drafts: each precedes an emitted token
-                self.proposer.observe_hidden(seq.index, seq.position, hidden[seq.row, : len(tokens)])
+            path, tokens = self.accept(seq, proposal, row)
+            layout = proposal.layout
+            moves = layout.moves(path)  # an accepted draft off the chain: its KV to the slot of its depth
+            if moves:
+                self.model.move_kv(seq.slot, [(seq.position + a, seq.position + b) for a, b in moves])
+            seq.metrics.target_call(k, proposed=n, accepted=len(path))
+            self.dispatcher.observe_row(seq.index, proposal, path)
+            rows = layout.rows(path)  # `last` and the accepted drafts: each precedes an emitted token
+            if hidden is not None:
+                self.proposer.observe_hidden(seq.index, seq.position, hidden[seq.row, rows])
             seq.position += len(tokens)  # `last` and the accepted drafts are now in the cache
-            self._emit(seq, tokens, row)
+            self._emit(seq, tokens, row[rows])
 
     # ------------------------------------------------------------------ bookkeeping
 
