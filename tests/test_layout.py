@@ -7,6 +7,7 @@ import numpy as np
 from qspec.runtime.dispatch import Dispatcher
 from qspec.runtime.layout import VerifyLayout
 from qspec.runtime.proposal import Proposal
+from qspec.runtime.proposers import PromptLookupProposer
 from qspec.runtime.sampling import accept_greedy
 
 
@@ -53,3 +54,30 @@ def test_a_tree_proposal_cuts_to_its_chain_and_prices_its_sibling_below_the_firs
     dispatcher.observe_row(0, proposal, [2])  # the sibling passed: the first draft failed
     dispatcher.observe_row(0, proposal, [0, 1])
     assert (dispatcher.siblings.offered, dispatcher.siblings.tried, dispatcher.siblings.passed) == (2, 1, 1)
+
+
+class TreeLookup(PromptLookupProposer):
+    """Prompt lookup's chain plus a sibling of its first draft (token 1 + the first draft): a tree proposal."""
+
+    def proposal(self, request_id, k: int) -> Proposal:
+        chain = super().proposal(request_id, max(k - 1, 1))
+        if not len(chain):
+            return chain
+        tokens = np.concatenate([chain.tokens, [int(chain.tokens[0]) + 1]])
+        parents = np.concatenate([np.arange(len(chain)) - 1, [-1]])
+        return Proposal(tokens, match_len=chain.match_len, parents=parents)
+
+
+def test_a_tree_proposal_on_a_backend_that_verifies_chains_runs_its_chain(tiny_model, tmp_path):
+    """The runtime graph verifies chains only (verifies_trees false): a tree is cut to its top-1 chain before
+    dispatch, no sibling is offered, and greedy output is `none`'s."""
+    from qspec.runtime import Engine, SamplingParams
+    from tests.test_runtime import PROMPTS, compile_tiny
+
+    package = compile_tiny(tiny_model("llama"), tmp_path / "pkg", "0,4")
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    plain = [o.token_ids for o in Engine(package, method="none").generate(PROMPTS[:3], params)]
+    engine = Engine(package, proposer=TreeLookup(), dispatch="cover")
+    assert not engine.model.verifies_trees
+    assert [o.token_ids for o in engine.generate(PROMPTS[:3], params)] == plain
+    assert engine.last_metrics.accepted > 0 and engine.dispatcher.siblings.offered == 0
