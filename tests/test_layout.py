@@ -17,7 +17,7 @@ def tree(tokens, parents) -> VerifyLayout:
 
 def test_a_chain_is_the_layout_whose_parents_are_the_drafts_before():
     chain = VerifyLayout.chain(np.array([5, 6, 7]))
-    assert chain.parents.tolist() == [-1, 0, 1] and chain.is_chain and chain.chain_len == 3
+    assert chain.parent_ids.tolist() == [-1, 0, 1] and chain.is_chain and chain.chain_len == 3
     assert chain.positions(10).tolist() == [10, 11, 12, 13]
     assert chain.moves([0, 1, 2]) == []
 
@@ -81,3 +81,11 @@ def test_a_tree_proposal_on_a_backend_that_verifies_chains_runs_its_chain(tiny_m
     assert not engine.model.verifies_trees
     assert [o.token_ids for o in engine.generate(PROMPTS[:3], params)] == plain
     assert engine.last_metrics.accepted > 0 and engine.dispatcher.siblings.offered == 0
+
+
+def test_a_tree_written_as_parents_that_happen_to_chain_acts_as_the_chain():
+    chain = VerifyLayout.chain(np.array([5, 6, 7]))
+    spelled = tree([5, 6, 7], [-1, 0, 1])
+    argmax = np.array([5, 6, 9, 4])
+    assert spelled.is_chain and spelled.walk_greedy(argmax) == chain.walk_greedy(argmax) == ([0, 1], 9)
+    assert spelled.positions(3).tolist() == chain.positions(3).tolist() and spelled.moves([0, 1]) == []

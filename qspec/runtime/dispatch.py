@@ -286,6 +286,10 @@ class Dispatcher:
         when it has them, else its class's measured ``c_i`` (:class:`AcceptanceStats`); a draft off the chain
         (a tree's sibling of the first draft) the chance that the first draft fails and it passes
         (:class:`SiblingStats`), never more than the draft before it (a plan takes a prefix of the layout)."""
+        if proposal.parents is None:  # a chain
+            if proposal.survival is not None:
+                return self.survival.chain(proposal.survival)
+            return self.stats.chain(proposal.dispatch_class)
         layout = proposal.layout
         n = layout.chain_len
         if proposal.survival is not None:
@@ -389,6 +393,12 @@ class Dispatcher:
         if key in self._drafting:
             self.gate.observe(key, len(proposal), len(path))
         if len(proposal) == 0:
+            return
+        if proposal.parents is None:  # a chain
+            if proposal.survival is not None:
+                self.survival.observe(proposal.survival, len(path))
+            else:
+                self.stats.observe(len(proposal), len(path), proposal.dispatch_class)
             return
         layout = proposal.layout
         n = layout.chain_len

@@ -29,23 +29,34 @@ import numpy as np
 
 @dataclass(frozen=True)
 class VerifyLayout:
-    """One row's drafts and their tree: ``tokens`` ``[n]`` int64, ``parents`` ``[n]`` (``-1``: the row's last
-    accepted token; else an earlier draft's index). Built by :meth:`chain` or :meth:`tree`."""
+    """One row's drafts and their tree: ``tokens`` ``[n]`` int64 and ``parents`` ``[n]`` (``-1``: the row's last
+    accepted token; else an earlier draft's index), None for a chain (``parents[i] = i - 1``: every method then
+    takes its few-microsecond path, the engine asks this of every row at every step)."""
 
     tokens: np.ndarray
-    parents: np.ndarray
+    parents: np.ndarray | None = None
 
     def __post_init__(self) -> None:
-        assert len(self.tokens) == len(self.parents), f"{len(self.parents)} parents for {len(self.tokens)} drafts"
-        assert all(-1 <= p < i for i, p in enumerate(self.parents.tolist())), f"parents {self.parents} not earlier"
+        if self.parents is None:
+            return
+        n = len(self.tokens)
+        assert len(self.parents) == n, f"{len(self.parents)} parents for {n} drafts"
+        assert np.all((self.parents >= -1) & (self.parents < np.arange(n))), f"parents {self.parents} not earlier"
 
     @classmethod
     def chain(cls, tokens: np.ndarray) -> VerifyLayout:
         """Drafts that follow one another: ``parents = [-1, 0, 1, ...]``."""
-        return cls(tokens, np.arange(len(tokens), dtype=np.int64) - 1)
+        return cls(tokens)
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    @property
+    def parent_ids(self) -> np.ndarray:
+        """``[n]``: each draft's parent (``-1``: the row's last token)."""
+        if self.parents is None:
+            return np.arange(len(self.tokens), dtype=np.int64) - 1
+        return self.parents
 
     @property
     def is_chain(self) -> bool:
@@ -54,12 +65,16 @@ class VerifyLayout:
     @property
     def chain_len(self) -> int:
         """The top-1 chain's drafts: the longest prefix with ``parents[i] = i - 1``."""
-        parents = self.parents.tolist()
-        return next((i for i, p in enumerate(parents) if p != i - 1), len(parents))
+        if self.parents is None:
+            return len(self.tokens)
+        off = np.flatnonzero(self.parents != np.arange(len(self.parents)) - 1)
+        return int(off[0]) if off.size else len(self.parents)
 
     @property
     def depths(self) -> np.ndarray:
         """``[n]``: each draft's distance from the row's last token (1 for its children)."""
+        if self.parents is None:
+            return np.arange(1, len(self.tokens) + 1, dtype=np.int64)
         depths = np.zeros(len(self.parents), np.int64)
         for i, parent in enumerate(self.parents.tolist()):
             depths[i] = 1 if parent < 0 else depths[parent] + 1
@@ -67,11 +82,15 @@ class VerifyLayout:
 
     def positions(self, position: int) -> np.ndarray:
         """``[n + 1]``: the positions of ``[last, drafts...]`` for a row whose last token is at ``position``."""
+        if self.parents is None:
+            return np.arange(position, position + len(self.tokens) + 1, dtype=np.int64)
         return np.concatenate([[position], position + self.depths]).astype(np.int64)
 
     def cut(self, n: int) -> VerifyLayout:
         """The first ``n`` drafts (a draft's parent always comes before it: any prefix is a tree)."""
-        return self if n >= len(self.tokens) else VerifyLayout(self.tokens[:n], self.parents[:n])
+        if n >= len(self.tokens):
+            return self
+        return VerifyLayout(self.tokens[:n], None if self.parents is None else self.parents[:n])
 
     def walk_greedy(self, argmax: np.ndarray) -> tuple[list[int], int]:
         """``(path, bonus)``: the drafts the target accepts, walking from ``last``: at each accepted node the
@@ -81,6 +100,11 @@ class VerifyLayout:
         Chain ``[5, 6, 7]``, argmax ``[5, 6, 9, 4]``: ``([0, 1], 9)``. Tree ``[5, 6, 8]`` with parents
         ``[-1, 0, -1]``, argmax ``[8, 1, 2, 3]``: draft 2 (token 8) is accepted, ``([2], 3)``.
         """
+        if self.parents is None:  # the longest prefix equal to the argmax
+            n = len(self.tokens)
+            mismatch = np.flatnonzero(argmax[:n] != self.tokens)
+            accepted = int(mismatch[0]) if mismatch.size else n
+            return list(range(accepted)), int(argmax[accepted])
         children: dict[int, dict[int, int]] = {}
         for i, (token, parent) in enumerate(zip(self.tokens.tolist(), self.parents.tolist())):
             children.setdefault(parent, {}).setdefault(token, i)  # the first child with a token wins
@@ -96,6 +120,8 @@ class VerifyLayout:
     def moves(self, path: list[int]) -> list[tuple[int, int]]:
         """``(from, to)`` slot offsets past the row's last token of the accepted ``path``'s KV rows that are not at
         their depth: draft ``i`` was written at offset ``1 + i`` and belongs at ``depth(i)``. A chain moves nothing."""
+        if self.parents is None:
+            return []
         depths = self.depths
         return [(1 + i, int(depths[i])) for i in path if 1 + i != depths[i]]
 

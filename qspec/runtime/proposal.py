@@ -18,6 +18,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -83,11 +84,9 @@ class Proposal:
     def __len__(self) -> int:
         return len(self.tokens)
 
-    @property
+    @cached_property
     def layout(self) -> VerifyLayout:
         """How the drafts verify: a chain, or the tree of ``parents`` (:class:`~qspec.runtime.layout.VerifyLayout`)."""
-        if self.parents is None:
-            return VerifyLayout.chain(self.tokens)
         return VerifyLayout(self.tokens, self.parents)
 
     def cut(self, n: int) -> Proposal:
