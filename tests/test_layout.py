@@ -68,13 +68,13 @@ class TreeLookup(PromptLookupProposer):
         return Proposal(tokens, match_len=chain.match_len, parents=parents)
 
 
-def test_a_tree_proposal_on_a_backend_that_verifies_chains_runs_its_chain(tiny_model, tmp_path):
-    """The runtime graph verifies chains only (verifies_trees false): a tree is cut to its top-1 chain before
-    dispatch, no sibling is offered, and greedy output is `none`'s."""
+def test_a_tree_proposal_on_a_graph_that_verifies_chains_runs_its_chain(tiny_model, tmp_path):
+    """A runtime graph with several KV slots verifies chains only (verifies_trees false): a tree is cut to its
+    top-1 chain before dispatch, no sibling is offered, and greedy output is `none`'s."""
     from qspec.runtime import Engine, SamplingParams
     from tests.test_runtime import PROMPTS, compile_tiny
 
-    package = compile_tiny(tiny_model("llama"), tmp_path / "pkg", "0,4")
+    package = compile_tiny(tiny_model("llama"), tmp_path / "pkg", "0,4", fbs=2)
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
     plain = [o.token_ids for o in Engine(package, method="none").generate(PROMPTS[:3], params)]
     engine = Engine(package, proposer=TreeLookup(), dispatch="cover")

@@ -282,7 +282,9 @@ class Engine(Scheduler):
             row = logits[seq.row, k - n : k + 1]  # right-aligned: the last n + 1 real tokens
             path, tokens = self.accept(seq, proposal, row)
             layout = proposal.layout
-            moves = layout.moves(path)  # an accepted draft off the chain: its KV to the slot of its depth
+            moves = []  # an accepted draft off the chain: its KV to the slot of its depth
+            if proposal.parents is not None and path:
+                moves = layout.moves(path, self.model.written_slots(layout.positions(seq.position).tolist()))
             if moves:
                 self.model.move_kv(seq.slot, [(seq.position + a, seq.position + b) for a, b in moves])
             seq.metrics.target_call(k, proposed=n, accepted=len(path))

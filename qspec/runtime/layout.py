@@ -117,13 +117,16 @@ class VerifyLayout:
             path.append(child)
             node = child
 
-    def moves(self, path: list[int]) -> list[tuple[int, int]]:
+    def moves(self, path: list[int], written: list[int] | None = None) -> list[tuple[int, int]]:
         """``(from, to)`` slot offsets past the row's last token of the accepted ``path``'s KV rows that are not at
-        their depth: draft ``i`` was written at offset ``1 + i`` and belongs at ``depth(i)``. A chain moves nothing."""
+        their depth: draft ``i`` was written at offset ``written[1 + i]`` (default ``1 + i``; a graph may place
+        drafts off the chain further, :meth:`~qspec.runtime.session.LoadedModel.written_slots`) and belongs at
+        ``depth(i)``. A chain moves nothing."""
         if self.parents is None:
             return []
         depths = self.depths
-        return [(1 + i, int(depths[i])) for i in path if 1 + i != depths[i]]
+        slots = written or list(range(len(self.tokens) + 1))
+        return [(slots[1 + i], int(depths[i])) for i in path if slots[1 + i] != depths[i]]
 
     def rows(self, path: list[int]) -> list[int]:
         """The call rows of ``[last, path...]`` in the row's ``[last, drafts...]``: the rows whose logits (and

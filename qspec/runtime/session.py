@@ -177,6 +177,12 @@ class LoadedModel(ABC):
                 times.append((time.perf_counter() - begin) * 1000)
             self.call_ms[bound.spec] = min(times)
 
+    def written_slots(self, positions: list[int]) -> list[int]:
+        """Where a verify row's tokens at ``positions`` (``[last, drafts...]``) are written, as offsets from the
+        row's first slot: their own index (a tree graph places drafts off the chain further, see
+        :func:`qspec.backends.ort_plan.op_slots`)."""
+        return list(range(len(positions)))
+
     def move_kv(self, slot: int, moves: list[tuple[int, int]]) -> None:
         """Copy KV slot ``a`` of KV row ``slot`` to slot ``b`` for each ``(a, b)`` of ``moves`` (an accepted tree
         draft's rows to the positions of their depths; every ``a`` is read before any ``b`` is written)."""
