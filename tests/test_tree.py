@@ -1,8 +1,8 @@
 """Tree verification on the runtime graph: a verify row ``[last, chain..., siblings...]`` (qspec.runtime.layout)
 gives every token the logits it gets in a plain chain call, bit for bit, and an accepted sibling's KV moved to
 its depth's slot continues exactly as if it had been verified alone; greedy output with tree proposals is
-`none`'s. Tiny random Llama, fp32 and int4, one KV slot (the host's call plan; a graph with several slots
-verifies chains)."""
+`none`'s. Tiny random Llama, fp32 and int4, one KV slot and two rows a call (the host's call plan; a
+continuous-batching graph verifies chains)."""
 
 from __future__ import annotations
 
@@ -186,3 +186,20 @@ def test_an_eagle_head_with_tree_width_2_drafts_trees_and_keeps_greedy_output(ea
     engine = Engine(package, method="eagle", tree_width=2, dispatch="cover", draft_confidence_threshold=0.0)
     assert [o.token_ids for o in engine.generate(PROMPTS, params)] == plain
     assert engine.dispatcher.siblings.offered > 0 and engine.proposer.tree_width == 2
+
+
+def test_trees_on_two_rows_of_one_call_keep_greedy_output(tiny_model, tmp_path):
+    """A batch-2 package without continuous batching (two rows a call, the host's plan per row): rows verify trees
+    side by side, siblings accepted, and the output is `none`'s."""
+    from qspec.compile import CompileOptions, compile_package
+    from qspec.runtime import Engine, SamplingParams
+    from qspec.specializations import make_config
+
+    spec = make_config(num_speculative_tokens="0,4", prefill_seq_len=8, ctx_len=64, batch_size=2)
+    package = compile_package(tiny_model("llama"), CompileOptions(specialization=spec), output=tmp_path / "b2")[0]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    plain = [o.token_ids for o in Engine(package, method="none").generate(PROMPTS, params)]
+    engine = Engine(package, proposer=OracleTree(plain), dispatch="cover")
+    assert engine.model.verifies_trees and engine.num_slots == 2
+    assert [o.token_ids for o in engine.generate(PROMPTS, params)] == plain
+    assert engine.dispatcher.siblings.passed > 5
