@@ -83,6 +83,15 @@ def generate(
     prompt_lookup_max: Annotated[int, typer.Option(help="pld: largest n-gram to match.")] = 3,
     draft_package: DraftPackageOption = None,
     draft_confidence_threshold: DraftThresholdOption = None,
+    tree_width: Annotated[
+        Optional[int],
+        typer.Option(
+            min=1,
+            max=2,
+            help="eagle: 2 verifies the head's runner-up for the first draft beside the chain (a tree; one KV slot "
+            "on the ort backend, else the chain); default 1, the chain.",
+        ),
+    ] = None,
     max_batch_size: Annotated[Optional[int], typer.Option(help="Sequences in flight (default: all KV slots).")] = None,
     dispatch: DispatchOption = "auto",
     backend: Annotated[
@@ -150,6 +159,7 @@ def generate(
             prompt_lookup_max=prompt_lookup_max,
             draft_package=draft_package,
             draft_confidence_threshold=draft_confidence_threshold,
+            tree_width=tree_width,
         )
         with status("loading the package"):
             engine = Engine(package, config)

@@ -128,6 +128,9 @@ PACKED_TOKENS = "live_tokens"
 TRIMMED_ROWS = "trimmed_rows"
 # A package without drafts: a one-token call's attention runs its token alone (no exactness pad).
 LONE_QUERY = "lone_query"
+# Attention reads each token's ancestors only, at its depth's RoPE position: a verify row may be a tree.
+TREE_ATTENTION = "tree_attention"
+TREE_LANES_MAX = 16  # the widest softmax lane group a tree graph leaves KV room for (qspec.backends.ort_plan)
 
 
 class RuntimeGraph(BaseModel):
@@ -159,10 +162,18 @@ class RuntimeGraph(BaseModel):
         """Its MatMuls run on live tokens only: a call costs its live tokens, not ``rows * (K + 1)``."""
         return bool(self.fusions.get(PACKED_TOKENS) or self.fusions.get(TRIMMED_ROWS))
 
+    @property
+    def verifies_trees(self) -> bool:
+        """A verify row may be a tree of drafts (:mod:`qspec.runtime.layout`; ``fuse_attention(tree=True)``)."""
+        return bool(self.fusions.get(TREE_ATTENTION))
+
     def kv_slack(self, longest_seq_len: int) -> int:
         """Slots the runtime's KV buffers need beyond ``ctx_len`` for calls of up to ``longest_seq_len`` tokens:
         :func:`attention_slack` for a GroupQueryAttention graph; the vendor graph's attention needs none."""
-        return attention_slack(longest_seq_len) if self.rope_positions is not None else 0
+        if self.rope_positions is None:
+            return 0
+        # a tree's off-chain draft runs up to a lane group past the chain (qspec.backends.ort_plan.op_slots)
+        return attention_slack(longest_seq_len) + (TREE_LANES_MAX if self.verifies_trees else 0)
 
 
 class SessionCheck(BaseModel):

@@ -5,10 +5,12 @@ from __future__ import annotations
 import numpy as np
 
 from qspec.backends import ort_plan
-from qspec.backends.ort_plan import CallPlan
+from qspec.backends.ort_plan import CallPlan, op_slots
 
-PADDED = list(ort_plan.NAMES)  # a package with drafts, the hidden_states output
+TREE_NAMES = (ort_plan.OP_INDEX, ort_plan.QUERY)
+PADDED = [name for name in ort_plan.NAMES if name not in TREE_NAMES]  # drafts (chains), the hidden_states output
 LONE = [name for name in PADDED if name != ort_plan.QUERY_PADS]  # a package without drafts
+TREE = [name for name in ort_plan.NAMES if name != ort_plan.QUERY_PADS]  # drafts verified as trees
 
 
 def test_rows_of_a_verify_call():
@@ -75,3 +77,18 @@ def test_a_draft_heads_plan_keeps_its_rows():
     assert a[ort_plan.KEPT_SLOTS][:, :, 0].tolist() == [[1], [0], [0]]
     plan.write(np.array([[0, -1, -1, -1, -1], [1, -1, -1, -1, -1], [-1] * 5], np.int64))
     assert int(a[ort_plan.TOTAL_SEQUENCE_LENGTH]) == 5  # at least the op's seq_len query tokens
+
+
+def test_a_draft_off_the_chain_runs_a_lane_group_past_its_depth():
+    """op_slots: the chain at its own slots, a sibling at the first free slot congruent to its depth modulo the
+    lanes; the plan scatters each token there and the op runs up to the last one (holes included)."""
+    assert op_slots([10, 11, 12, 11], 8) == [0, 1, 2, 9]
+    assert op_slots([10, 11, 11], 8) == [0, 1, 9] and op_slots([10, 11, 12, 13], 8) == [0, 1, 2, 3]
+    assert op_slots([10, 11, 12, 11], 1) == [0, 1, 2, 3]  # a kernel without lanes: no holes
+    plan = CallPlan(rows=1, seq_len=5, keep=5, names=TREE, lanes=8)
+    plan.write(np.array([[10, 11, 12, 11, -1]], np.int64))
+    a = plan.arrays
+    assert a[ort_plan.OP_INDEX][0, :, 1].tolist() == [0, 1, 2, 9, 10]  # the padding token after the last
+    assert a[ort_plan.QUERY].tolist() == [10] and a[ort_plan.QUERY_SEQLENS].tolist() == [10]
+    assert a[ort_plan.SEQLENS_K].tolist() == [19] and a[ort_plan.SEQ].tolist() == [4]
+    assert a[ort_plan.KEPT_SLOTS][0, :, 0].tolist() == [0, 0, 1, 2, 3]  # logits of the live tokens, as a chain's

@@ -123,7 +123,8 @@ def test_fp32_runtime_graph_is_fused_and_keeps_the_contract(model, tmp_path):
     plan = [(name, dims) for name, dims in runtime if name.startswith("plan_")]
     assert [entry for entry in runtime if entry not in plan] == vendor
     assert [name for name, _ in plan] == ort_plan.plan_names({name for name, _ in plan}) and plan
-    assert ort_plan.QUERY_PADS in dict(plan)  # a package with drafts pads a one-token call's attention
+    # a package with drafts pads a one-token call's attention: a tree graph places each token at its op slot
+    assert ort_plan.QUERY in dict(plan) and ort_plan.OP_INDEX in dict(plan) and ort_plan.QUERY_PADS not in dict(plan)
 
 
 @pytest.mark.parametrize("fmt", ("fp32", *FORMATS))
@@ -145,7 +146,10 @@ def test_runtime_graph_attends_with_one_group_query_attention_per_layer(packages
     # MatMuls over live tokens only: packed with several KV rows, rows trimmed without (no node per layer moves them)
     assert read_manifest(packages[fmt]["cb"]).runtime_graph.fusions["live_tokens"] == 1 and "NonZero" in cb
     assert graph.fusions.get("trimmed_rows") == 1 and "live_tokens" not in graph.fusions
-    assert "NonZero" not in plain and "ScatterND" not in plain and plain.count("GatherND") == 1  # the LM head's pick
+    # a tree graph moves q/k/v to their op slots and back (one ScatterND and one GatherND a layer, in place of a Pad
+    # and a Slice), and its positions once; the LM head's pick is the other GatherND
+    assert graph.fusions.get("tree_attention") == 1
+    assert "NonZero" not in plain and plain.count("ScatterND") == 3 and plain.count("GatherND") == 3
     for name in ("0,4", "cb"):  # the vendor graph's KV functions (CtxScatter/CtxGather) went with its attention
         proto = onnx.load(str(packages[fmt][name] / ORT_ONNX_FILE), load_external_data=False)
         assert not proto.functions and {o.domain for o in proto.opset_import} <= {"", "ai.onnx", "com.microsoft"}

@@ -68,6 +68,8 @@ from qspec.backends.ort_attention_nodes import (
     retain,
     to_kv_rows,
     to_kv_slots,
+    to_op_slots,
+    tree_inputs,
 )
 from qspec.backends.ort_tokens import builder
 from qspec.package import MIN_QUERY_TOKENS, AttentionInfo
@@ -95,6 +97,7 @@ def fuse_attention(
     trim_rows: bool = False,
     host_plan: bool = False,
     lone_query: bool = False,
+    tree: bool = False,
     layer_prefix: str = LAYER_PREFIX,
 ) -> int:
     """Replace every layer's attention of an ``onnx_ir`` model with ``GroupQueryAttention``; returns how many.
@@ -114,6 +117,9 @@ def fuse_attention(
     without the exactness pad (no ``Pad``/``Slice`` per layer): for a package without drafts, where no verify
     call's rounding must be matched (ONNX Runtime's kernel rounds a lone query differently, see the module
     doc), and for a draft head, whose drafts the target verifies.
+    ``tree`` (not with ``lone_query`` or ``host_plan``): a verify row may be a tree of drafts
+    (:mod:`qspec.runtime.layout`): the op rotates each token by its position (``position_ids``) and an additive
+    bias hides a token's non-ancestors (:func:`~qspec.backends.ort_attention_nodes.tree_inputs`).
     ``layer_prefix``: where layer ``{i}``'s projections are (a draft head's graph holds its layer under
     another module path than the target's ``model.layers.{i}.self_attn.``).
     """
@@ -131,6 +137,8 @@ def fuse_attention(
         raise ValueError("lone_query is for a graph with trim_rows or host_plan")
     if host_plan and not lone_query:
         raise ValueError("host_plan runs a lone query: give lone_query too")
+    if tree and (lone_query or not trim_rows):
+        raise ValueError("tree is for a graph with trim_rows that verifies drafts (not lone_query)")
     shared = _shared_inputs(
         graph,
         inputs,
@@ -140,8 +148,11 @@ def fuse_attention(
         trimmed=trim_rows,
         planned=host_plan,
         lone_query=lone_query,
+        tree=tree,
     )
     padded = not lone_query
+    if tree:
+        shared |= tree_inputs(graph, inputs[contract.POSITION_IDS], shared, attention)
     outputs = {value.name: (i, value) for i, value in enumerate(graph.outputs)}
     nodes = []
     for i in range(attention.num_layers):
@@ -178,7 +189,14 @@ def fuse_attention(
                 else None
                 for x, n, name in zip((q, k, v), heads, "qkv")
             )
-        if not pack_tokens and padded:
+        if tree:  # each token to its op slot (ScatterND in place of the Pad: holes before an off-chain draft)
+            q, k, v = (
+                to_op_slots(nodes, x, shared["op_zeros"][n * attention.head_dim], shared, f"layers.{i}.{name}")
+                if x is not None
+                else None
+                for x, n, name in zip((q, k, v), heads, "qkv")
+            )
+        elif not pack_tokens and padded:
             q, k, v = (
                 pad_tokens(nodes, x, shared, f"layers.{i}.{name}") if x is not None else None
                 for x, name in zip((q, k, v), "qkv")
@@ -196,8 +214,8 @@ def fuse_attention(
                 shared["total_sequence_length"],
                 shared["cos_cache"],
                 shared["sin_cache"],
-                None,  # position_ids: token s of a row is at p + s (seqlens_k + 1 - seq_len + s)
-                None,  # attention_bias
+                shared.get("op_positions"),  # None: token s of a row is at p + s (seqlens_k + 1 - seq_len + s)
+                shared.get("tree_bias"),  # None: causal over the row's slots
                 None,  # head_sink
                 None,  # k_scale
                 None,  # v_scale
@@ -226,7 +244,11 @@ def fuse_attention(
             retain(graph, outputs, (past_key, gqa.outputs[1]), (past_value, gqa.outputs[2]))
             continue
         attended = gqa.outputs[0]
-        if padded:  # the call's own tokens: drop the op's padding token (see MIN_QUERY_TOKENS)
+        if tree:  # back from the op slots to the row's tokens
+            back = ir.node("GatherND", [attended, shared["op_index"]], name=f"layers.{i}.own_tokens")
+            nodes.append(back)
+            attended = back.outputs[0]
+        elif padded:  # the call's own tokens: drop the op's padding token (see MIN_QUERY_TOKENS)
             sliced = ir.node(
                 "Slice", [attended, shared["zero_1d"], shared["seq_1d"], shared["axis1"]], name=f"layers.{i}.own_tokens"
             )
@@ -268,6 +290,7 @@ def _shared_inputs(
     trimmed: bool = False,
     planned: bool = False,
     lone_query: bool = False,
+    tree: bool = False,
 ) -> dict[str, object]:
     """What every layer's attention reads, computed once from ``position_ids`` (a dozen nodes).
 
@@ -285,7 +308,7 @@ def _shared_inputs(
     cos, sin = rope_tables(attention, rope_positions)
     if trimmed or planned:
         hidden = bool(_feature_outputs([v.name for v in graph.outputs]))
-        plan = ort_plan.add_inputs(graph, hidden_states=hidden, query_pads=not lone_query, cut=trimmed)
+        plan = ort_plan.add_inputs(graph, hidden_states=hidden, query_pads=not lone_query, cut=trimmed, tree=tree)
         return {
             "plan": plan,
             "query_pads": plan.get(ort_plan.QUERY_PADS),
@@ -345,19 +368,20 @@ def _shared_inputs(
         }
     row_valid = op("GreaterOrEqual", positions, zero)  # [rows, seq]: the op's rows (KV rows with batch_index)
     count = op("ReduceSum", op("Cast", row_valid, to=ir.DataType.INT64), axis1, keepdims=0)
-    last = op("ReduceMax", positions, axis1, keepdims=0)  # [rows]: -1 for an idle row
     live_row = op("Greater", count, zero)
     pad_end = op("Unsqueeze", op("Sub", query, seq), axis0)
     zero_1d = constant("zero_1d", np.array([0], np.int64))
     pads_begin = constant("pads_begin", np.zeros(4, np.int64))
     pads = op("Concat", pads_begin, pad_end, zero_1d, axis=0)  # [0, 0, 0, 0, query - seq, 0]
-    # A live row runs its live tokens, at least MIN_QUERY_TOKENS, from its first live position p:
-    # T = p + row_query = last - count + 1 + row_query.
+    # A live row runs its live tokens, at least MIN_QUERY_TOKENS, from its first live position p (its first
+    # slot: rows are right-padded, a tree's siblings share positions but not slots): T = p + row_query.
     row_query = op("Max", count, min_query)
-    seqlens_k = op("Where", live_row, op("Sub", op("Add", last, row_query), count), zero)
+    first = op("Gather", positions, zero, axis=1)  # [rows]
+    seqlens_k = op("Where", live_row, op("Sub", op("Add", first, row_query), one), zero)
     query_seqlens = op("Where", live_row, row_query, zero)
     total = op("Max", op("Add", op("ReduceMax", seqlens_k, keepdims=0), one), query)  # >= every T and query
     shared = {
+        "row_positions": positions,  # [the op's rows, seq]
         "query_pads": pads,
         "zero_1d": zero_1d,
         "seq_1d": op("Unsqueeze", seq, axis0),

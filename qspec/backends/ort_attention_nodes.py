@@ -8,6 +8,7 @@ import contextlib
 import numpy as np
 
 from qspec import contract
+from qspec.backends import ort_plan
 from qspec.backends.ort_tokens import initializer
 from qspec.package import AttentionInfo
 
@@ -144,3 +145,71 @@ def full_norm(nodes: list, x, weight, attention: AttentionInfo):
     )
     nodes.append(norm)
     return norm.outputs[0]
+
+
+def to_op_slots(nodes: list, x, zeros, shared: dict, name: str):
+    """``x`` ``[rows, seq, width]`` at its op slots (``shared["op_index"]``) of ``zeros`` ``[rows, query, width]``."""
+    import onnx_ir as ir
+
+    node = ir.node("ScatterND", [zeros, shared["op_index"], x], name=f"{name}.to_op_slots")
+    nodes.append(node)
+    return node.outputs[0]
+
+
+def tree_inputs(graph, positions, shared: dict, attention: AttentionInfo) -> dict:
+    """What GroupQueryAttention reads for verify rows that may be trees (:mod:`qspec.runtime.layout`), on a
+    graph with the host's call plan (:func:`qspec.backends.ort_plan.op_slots`): ~30 small nodes a call, shared
+    by the layers. ``op_index`` ``[rows, seq, 2]``: each token's op slot; ``op_zeros``: ``[rows, query, width]``
+    zeros to scatter q/k/v into; ``op_positions`` ``[rows, query]`` (holes and padding at 0): the op rotates
+    each token by its own position; ``tree_bias`` ``[rows, 1, query, total]``: of the row's own slots a token
+    sees itself and the chain's tokens before its position (0), not the rest (``-inf``); the slots before the
+    row's first position are 0.
+
+    The op writes a row's op slot ``s`` at KV slot ``p + s`` and lets it see slots ``[0, p + s]``. A tree row is
+    ``[last, chain..., others...]``: the chain at its own slots (positions ``p, p + 1, ...``), a draft off the
+    chain a multiple of the softmax's lanes past the slot of its depth (``op_slots``): ``[10, 11, 12, 11]`` runs
+    as slots ``0, 1, 2, 9``, the one at 9 rotated as position 11 and seeing slots ``0..10`` and 19 only. On a
+    chain the bias is all zeros and the slots are the tokens' own: the same logits bit for bit.
+    """
+    import onnx_ir as ir
+
+    from qspec.backends.ort_tokens import builder
+
+    plan = shared["plan"]
+    nodes = []
+    op, constant = builder(graph, nodes, "tree")
+    zero, one = constant("zero", np.array(0, np.int64)), constant("one", np.array(1, np.int64))
+    axis0, axis1 = constant("axis0", np.array([0], np.int64)), constant("axis1", np.array([1], np.int64))
+    axis2 = constant("axis2", np.array([2], np.int64))
+    op_index = op("Slice", plan[ort_plan.OP_INDEX], shared["zero_1d"], shared["seq_1d"], axis1)  # [rows, seq, 2]
+    query_1d = plan[ort_plan.QUERY]
+    rows_1d = op("Shape", positions, end=1)
+    grid = op("Concat", rows_1d, query_1d, axis=0)  # [rows, query]
+    heads = (attention.num_heads, attention.num_kv_heads, attention.num_heads + 2 * attention.num_kv_heads)
+    zero_f = constant("zero_float_1d", np.zeros(1, np.float32))
+    op_zeros = {
+        w: op("Expand", zero_f, op("Concat", grid, constant(f"width{w}", np.array([w], np.int64)), axis=0))
+        for w in sorted({n * attention.head_dim for n in heads})
+    }
+    live = op("Slice", positions, shared["zero_1d"], shared["seq_1d"], axis1)  # [rows, seq]
+    placed = op("ScatterND", op("Expand", constant("zero_1d_i", np.zeros(1, np.int64)), grid), op_index, live)
+    positions = op("Max", placed, zero)  # [rows, query]; holes and padding rotate as position 0 (unread)
+    query = op("Squeeze", query_1d, axis0)
+    steps = op("Range", zero, query, one)  # [query]
+    first = op("Slice", positions, shared["zero_1d"], axis1, axis1)  # [rows, 1]
+    on_chain = op("Equal", op("Sub", positions, first), steps)  # [rows, query]
+    before = op("Less", op("Unsqueeze", positions, axis1), op("Unsqueeze", positions, axis2))  # [rows, s, t]
+    itself = op("Equal", op("Unsqueeze", steps, axis1), op("Unsqueeze", steps, axis0))  # [s, t]
+    sees = op("Or", op("And", op("Unsqueeze", on_chain, axis1), before), itself)  # [rows, s, t]: of the row's slots
+    total = op("Cast", shared["total_sequence_length"], to=ir.DataType.INT64)
+    offset = op("Sub", op("Unsqueeze", op("Range", zero, total, one), axis0), first)  # [rows, total]: slot - p
+    own = op("And", op("GreaterOrEqual", offset, zero), op("Less", offset, query))  # the row's own slots
+    index = op("Max", op("Min", offset, op("Sub", query, one)), zero)
+    shape = op("Concat", op("Shape", sees, end=2), op("Unsqueeze", total, axis0), axis=0)  # [rows, query, total]
+    seen = op("GatherElements", sees, op("Expand", op("Unsqueeze", index, axis1), shape), axis=2)
+    hidden = op("And", op("Unsqueeze", own, axis1), op("Not", seen))
+    minus_inf = constant("minus_inf", np.array(-np.inf, np.float32))
+    bias = op("Where", hidden, minus_inf, constant("zero_f", np.array(0, np.float32)))
+    bias = op("Unsqueeze", bias, axis1)  # [rows, 1, query, total]
+    graph.extend(nodes)
+    return {"op_index": op_index, "op_zeros": op_zeros, "op_positions": positions, "tree_bias": bias}

@@ -64,6 +64,7 @@ from qspec.package import (
     LONE_QUERY,
     ORT_ONNX_FILE,
     PACKED_TOKENS,
+    TREE_ATTENTION,
     TRIMMED_ROWS,
     AttentionInfo,
     MoEInfo,
@@ -74,8 +75,8 @@ from qspec.package import (
 Progress = Callable[[str], None]
 
 # Bump when the recipe below changes: cached runtime graphs are keyed by it (and packages, whose draft
-# head graph is built with it: 28, the head's call plan).
-RECIPE_VERSION = 31
+# head graph is built with it: 28, the head's call plan; 31, the MoE operator; 32, tree attention).
+RECIPE_VERSION = 32
 GRAPH_META = "graph.json"
 
 
@@ -241,12 +242,23 @@ def optimize_graph(
         # a one-token call, see ort_attention).
         pack = contract.BATCH_INDEX in {value.name for value in model.graph.inputs}
         lone = lone_query and not pack
+        # A graph with drafts verifies trees where the op's window (by slot, not position) cannot misplace one.
+        tree = not lone and not pack and all(window is None for window in attention.windows)
         fusions["group_query_attention"] = fuse_attention(
-            model, attention, rope_positions, pack_qkv=True, pack_tokens=pack, trim_rows=not pack, lone_query=lone
+            model,
+            attention,
+            rope_positions,
+            pack_qkv=True,
+            pack_tokens=pack,
+            trim_rows=not pack,
+            lone_query=lone,
+            tree=tree,
         )
         fusions[PACKED_TOKENS if pack else TRIMMED_ROWS] = 1
         if lone:
             fusions[LONE_QUERY] = 1
+        if tree:
+            fusions[TREE_ATTENTION] = 1
         drop_unused_functions(model)  # the KV's CtxScatter/CtxGather: attention no longer calls them
     if moe is not None:
         say(

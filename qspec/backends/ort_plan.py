@@ -35,6 +35,9 @@ KEPT_SLOTS = "plan_kept_slots"  # int64 [batch_size, keep, 1]: each row's slots 
 SKIPPED = "plan_skipped"  # int64 [1]: leading kept entries no row fills (the LM head skips them)
 LOGITS_PADS = "plan_logits_pads"  # int64 [6]: Pad of the LM head's [rows, keep - skipped, vocab] to keep
 HIDDEN_PADS = "plan_hidden_pads"  # int64 [6]: Pad of the hidden states [rows, seq, hidden] to seq_len
+# A graph that verifies trees places each token at its own slot of the op's query (op_slots):
+OP_INDEX = "plan_op_index"  # int64 [batch_size, seq_len, 2]: (row, op slot) of each of a row's tokens
+QUERY = "plan_query"  # int64 [1]: the op's query tokens per row
 
 NAMES = (
     SEQLENS_K,
@@ -46,10 +49,33 @@ NAMES = (
     SKIPPED,
     LOGITS_PADS,
     HIDDEN_PADS,
+    OP_INDEX,
+    QUERY,
 )
 
 
-def add_inputs(graph, *, hidden_states: bool, query_pads: bool = True, cut: bool = True) -> dict[str, object]:
+def op_slots(positions: list[int], lanes: int) -> list[int]:
+    """Where the op runs each of a row's live tokens (``positions``: ``[last, drafts...]`` of a verify row, or a
+    chunk's): the top-1 chain (positions ``p, p + 1, ...``) at its own slots, every later token (off the chain,
+    :mod:`qspec.runtime.layout`) at the first free slot ``s`` with ``s = depth (mod lanes)``: ONNX Runtime's CPU
+    kernel sums a softmax in ``lanes`` lanes, so a token ``lanes`` slots past its depth rounds as it would at
+    its depth in a plain call (docs/how-it-works.md). ``[10, 11, 12, 11]`` with 8 lanes: ``[0, 1, 2, 9]``."""
+    if not positions:
+        return []
+    first, slots, on_chain = positions[0], [0], True
+    for i, position in enumerate(positions[1:], 1):
+        on_chain = on_chain and position == first + i
+        if on_chain:
+            slots.append(i)
+            continue
+        depth, low = position - first, slots[-1] + 1
+        slots.append(low + (depth - low) % lanes)
+    return slots
+
+
+def add_inputs(
+    graph, *, hidden_states: bool, query_pads: bool = True, cut: bool = True, tree: bool = False
+) -> dict[str, object]:
     """Declare the plan's inputs on an ``onnx_ir`` graph; ``{name: value}`` (no hidden pads without that output,
     no query pads for a graph whose attention runs a lone query). ``cut=False``: a graph whose rows keep
     their ``seq_len`` tokens (a draft head's) only takes attention's integers and the kept slots."""
@@ -68,6 +94,10 @@ def add_inputs(graph, *, hidden_states: bool, query_pads: bool = True, cut: bool
     }
     if hidden_states:
         shapes[HIDDEN_PADS] = (ir.DataType.INT64, [6])
+    if tree:  # q/k/v go to their op slots (ScatterND), not padded at the end
+        shapes[OP_INDEX] = (ir.DataType.INT64, [contract.BATCH_SIZE, contract.SEQ_LEN, 2])
+        shapes[QUERY] = (ir.DataType.INT64, [1])
+        del shapes[QUERY_PADS]
     if not query_pads:
         del shapes[QUERY_PADS]
     if not cut:
@@ -89,9 +119,11 @@ class CallPlan:
     ``MIN_QUERY_TOKENS``. A graph without ``plan_seq`` does not cut its rows: the op sees ``seq_len`` tokens.
     """
 
-    def __init__(self, rows: int, seq_len: int, keep: int, names: Collection[str]):
+    def __init__(self, rows: int, seq_len: int, keep: int, names: Collection[str], *, lanes: int = 1):
         self.seq_len, self.keep = seq_len, keep
-        self.min_query = MIN_QUERY_TOKENS if QUERY_PADS in names else 1
+        self.tree = OP_INDEX in names
+        self.lanes = lanes  # a tree graph's softmax lanes (op_slots)
+        self.min_query = MIN_QUERY_TOKENS if QUERY_PADS in names or self.tree else 1
         self.cut = SEQ in names
         arrays = {
             SEQLENS_K: np.zeros(rows, np.int32),
@@ -103,6 +135,8 @@ class CallPlan:
             SKIPPED: np.zeros(1, np.int64),
             LOGITS_PADS: np.zeros(6, np.int64),
             HIDDEN_PADS: np.zeros(6, np.int64),
+            OP_INDEX: np.zeros((rows, seq_len, 2), np.int64),
+            QUERY: np.zeros(1, np.int64),
         }
         self.arrays = {name: array for name, array in arrays.items() if name in names}
         self._steps = list(range(1 - keep, 1))  # slot offsets from a row's last
@@ -114,14 +148,22 @@ class CallPlan:
         would cost more than the arithmetic."""
         a = self.arrays
         seqlens_k, query_seqlens, slots = a[SEQLENS_K], a[QUERY_SEQLENS], a[KEPT_SLOTS]
-        most, total = 0, 0
-        for row, live in enumerate(positions.tolist()):
+        most, total, end = 0, 0, 0
+        rows = positions.tolist()
+        for row, live in enumerate(rows):
             count = sum(1 for position in live if position >= 0)
             most = max(most, count)
-            # A live row runs its live tokens, at least min_query, from its first position p:
-            # seqlens_k = p + row_query - 1 = last - count + row_query.
-            row_query = max(count, self.min_query) if count else 0
-            row_seqlens_k = max(live) - count + row_query if count else 0
+            if self.tree:  # the row's tokens at their op slots; its padding tokens after them
+                placed = op_slots(live[:count], self.lanes)
+                end = placed[-1] + 1 if placed else 0
+                a[OP_INDEX][row, :, 0] = row
+                a[OP_INDEX][row, :count, 1] = placed
+                a[OP_INDEX][row, count:, 1] = range(end, end + self.seq_len - count)
+            op_count = max(count, end) if self.tree else count  # the op's tokens of the row: holes included
+            # A live row runs its live tokens, at least min_query, from its first position p (its first slot; a
+            # tree's siblings share positions, not slots): seqlens_k = p + row_query - 1.
+            row_query = max(op_count, self.min_query) if count else 0
+            row_seqlens_k = live[0] + row_query - 1 if count else 0
             seqlens_k[row], query_seqlens[row] = row_seqlens_k, row_query
             total = max(total, row_seqlens_k + 1)
             # The last `keep` slots up to the row's last live one (slot 0 repeated before the first).
@@ -129,6 +171,9 @@ class CallPlan:
             slots[row, :, 0] = [max(last + step, 0) for step in self._steps]
         seq = max(most, 1) if self.cut else self.seq_len  # cut: an idle call still runs one padding token
         query = max(seq, self.min_query)
+        if self.tree:  # every row's op slots and the padding tokens placed after them
+            query = max([query] + [int(a[OP_INDEX][row, seq - 1, 1]) + 1 for row in range(len(rows))])
+            a[QUERY][0] = query
         a[TOTAL_SEQUENCE_LENGTH][...] = max(total, query)
         if not self.cut:
             return

@@ -38,6 +38,7 @@ class EngineConfig(FrozenModel):
     prompt_lookup_max: int | None = None
     draft_package: Path | None = None
     draft_confidence_threshold: float | None = None
+    tree_width: int | None = None  # a head's drafts at depth 1 (2: its runner-up beside the chain; default 1)
     proposer_options: dict[str, Any] = Field(default_factory=dict)
 
     @classmethod
@@ -53,5 +54,5 @@ class EngineConfig(FrozenModel):
 
     def proposer_knobs(self) -> dict[str, Any]:
         """The knobs given for the proposer (None: its default), as :func:`make_proposer` takes them."""
-        typed = ("prompt_lookup_min", "prompt_lookup_max", "draft_package", "draft_confidence_threshold")
+        typed = ("prompt_lookup_min", "prompt_lookup_max", "draft_package", "draft_confidence_threshold", "tree_width")
         return {name: getattr(self, name) for name in typed if getattr(self, name) is not None} | self.proposer_options

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from qspec.errors import ConfigError
-from qspec.runtime.acceptance import AcceptanceStats, DraftGate, SurvivalStats
+from qspec.runtime.acceptance import AcceptanceStats, DraftGate, SiblingStats, SurvivalStats
 
 __all__ = ["AcceptanceStats", "CallCosts", "Dispatcher", "plan_by_cost", "pick_k", "pick_k_by_cost"]
 
@@ -251,6 +251,7 @@ class Dispatcher:
         self.prices = prices
         self.stats = AcceptanceStats(self.k_max)  # proposals without probabilities: per class
         self.survival = SurvivalStats()  # proposals with them (a head's): calibrated
+        self.siblings = SiblingStats()  # a tree's drafts off the chain
         self.gate = DraftGate()
         self.rate = 0.0  # expected tokens per ms of the last cost plan (0: none yet)
         self._unverified = 0  # cost plans since drafts were last verified (EXPLORE_EVERY)
@@ -280,11 +281,27 @@ class Dispatcher:
         return "cost" if greedy else "cover"
 
     def chain(self, proposal: Proposal) -> np.ndarray:
-        """The proposal's survival as cost dispatch prices it: its drafter's probabilities calibrated
-        (:class:`SurvivalStats`) when it has them, else its class's measured ``c_i`` (:class:`AcceptanceStats`)."""
+        """The expected tokens each of the proposal's drafts adds, in its layout's order, as cost dispatch prices
+        it: along the top-1 chain its survival, its drafter's probabilities calibrated (:class:`SurvivalStats`)
+        when it has them, else its class's measured ``c_i`` (:class:`AcceptanceStats`); a draft off the chain
+        (a tree's sibling of the first draft) the chance that the first draft fails and it passes
+        (:class:`SiblingStats`), never more than the draft before it (a plan takes a prefix of the layout)."""
+        if proposal.parents is None:  # a chain
+            if proposal.survival is not None:
+                return self.survival.chain(proposal.survival)
+            return self.stats.chain(proposal.dispatch_class)
+        layout = proposal.layout
+        n = layout.chain_len
         if proposal.survival is not None:
-            return self.survival.chain(proposal.survival)
-        return self.stats.chain(proposal.dispatch_class)
+            chain = self.survival.chain(proposal.survival[:n])
+        else:
+            chain = self.stats.chain(proposal.dispatch_class)[:n]
+        if layout.is_chain:
+            return chain
+        head = proposal.survival[n:] if proposal.survival is not None else None
+        first = float(chain[0]) if n else 0.0
+        rest = self.siblings.gains(len(layout) - n, first, head)
+        return np.minimum.accumulate(np.concatenate([chain, rest]))
 
     def plan(self, proposals: Sequence[Proposal], *, greedy: bool) -> tuple[int, list[int]]:
         """``(K, depths)``: the call to run and how many drafts each row verifies in it (one budget across the
@@ -370,16 +387,29 @@ class Dispatcher:
         """A step's drafting took ``ms`` for ``rows`` requests (those :meth:`drafting` let draft)."""
         self.gate.observe_drafting(ms, rows)
 
-    def observe_row(self, key, proposal: Proposal, accepted: int) -> None:
-        """Request ``key`` verified ``proposal`` (as cut by the plan) and ``accepted`` of its drafts passed."""
+    def observe_row(self, key, proposal: Proposal, path: Sequence[int]) -> None:
+        """Request ``key`` verified ``proposal`` (as cut by the plan) and the drafts of ``path`` passed (a chain's
+        first ``len(path)``; a tree's walk, :meth:`~qspec.runtime.layout.VerifyLayout.walk_greedy`)."""
         if key in self._drafting:
-            self.gate.observe(key, len(proposal), accepted)
+            self.gate.observe(key, len(proposal), len(path))
         if len(proposal) == 0:
             return
+        if proposal.parents is None:  # a chain
+            if proposal.survival is not None:
+                self.survival.observe(proposal.survival, len(path))
+            else:
+                self.stats.observe(len(proposal), len(path), proposal.dispatch_class)
+            return
+        layout = proposal.layout
+        n = layout.chain_len
+        on_chain = next((i for i, node in enumerate(path) if node != i), len(path))  # accepted along the chain
         if proposal.survival is not None:
-            self.survival.observe(proposal.survival, accepted)
+            self.survival.observe(proposal.survival[:n], on_chain)
         else:
-            self.stats.observe(len(proposal), accepted, proposal.dispatch_class)
+            self.stats.observe(n, on_chain, proposal.dispatch_class)
+        if not layout.is_chain:
+            sibling_passed = bool(path) and path[0] >= n
+            self.siblings.observe(len(layout) - n, first_passed=on_chain > 0, sibling_passed=sibling_passed)
 
     def observe_call(self, k: int, ms: float, live_tokens: int) -> None:
         """A decode call of K took ``ms`` with ``live_tokens`` live tokens (no prompt chunks in it)."""

@@ -39,6 +39,7 @@ from qspec.errors import ConfigError
 from qspec.package import TOKENIZER_DIR
 from qspec.runtime.config import EngineConfig
 from qspec.runtime.dispatch import Dispatcher, check_mode, restrict_ks
+from qspec.runtime.layout import VerifyLayout
 from qspec.runtime.load import load_model
 from qspec.runtime.metrics import EngineMetrics, aggregate
 from qspec.runtime.prefill import PrefillRow, place_rows, run_prefill
@@ -47,7 +48,6 @@ from qspec.runtime.proposal import Proposal, Proposer
 from qspec.runtime.proposers import HEAD_METHODS, METHOD_ALIASES, make_proposer
 from qspec.runtime.request import (
     Prompt,
-    RequestDelta,
     RequestOutput,
     SequenceState,
     TextCallback,
@@ -57,19 +57,18 @@ from qspec.runtime.request import (
 )
 from qspec.runtime.sampling import (
     SamplingParams,
-    accept_greedy,
     accept_sampled,
-    make_rng,
     process_logits,
     sample_tokens,
 )
+from qspec.runtime.scheduler import Scheduler
 from qspec.runtime.session import LoadedModel
-from qspec.runtime.tokenizer import TextStream, Tokenizer
+from qspec.runtime.tokenizer import Tokenizer
 
 OutputCallback = Callable[[RequestOutput], None]
 
 
-class Engine:
+class Engine(Scheduler):
     """Generate with speculative decoding from a compiled package, on any runtime backend.
 
     >>> engine = Engine("packages/SmolLM2-135M-Instruct.Q4_1-k0_4", method="pld")
@@ -198,12 +197,19 @@ class Engine:
         took = time.perf_counter() - begin
         self.seconds["propose"] += took
         self.dispatcher.observe_drafting(took * 1000, sum(cap > 0 for cap in caps))
-        return [proposal.cut(cap) for proposal, cap in zip(proposals, caps)]
+        return [self._verifiable(seq, proposal).cut(cap) for seq, proposal, cap in zip(live, proposals, caps)]
+
+    def _verifiable(self, seq: SequenceState, proposal: Proposal) -> Proposal:
+        """``proposal`` as this row can verify it: a tree's top-1 chain unless the row is greedy, no drafts are
+        forced and the model verifies trees (:attr:`LoadedModel.verifies_trees`)."""
+        if seq.params.greedy and self.force_accept is None and self.model.verifies_trees:
+            return proposal
+        return proposal.chain_only()
 
     def verify(
         self,
         k: int,
-        batch: list[tuple[SequenceState, np.ndarray]],
+        batch: list[tuple[SequenceState, VerifyLayout]],
         chunks: Sequence[tuple[SequenceState, int, list[int]]] = (),
     ) -> tuple[np.ndarray, np.ndarray | None]:
         """One call of the ``seq_len = k + 1`` specialization; logits ``[rows, k + 1, vocab]`` and, on a package
@@ -211,19 +217,20 @@ class Engine:
         ``chunks`` (``(seq, start, tokens)`` of prompts being prefilled) the call is that shape made as wide
         as a prefill chunk (:meth:`LoadedModel.mixed_for`); a chunk's last logits are ``[seq.row, -1]``. Each
         sequence's call row is ``seq.row`` (:func:`~qspec.runtime.prefill.place_rows`: its KV slot, or with more
-        KV slots than rows the next row, ``batch_index`` pointing at the slot)."""
-        end = max([seq.position + len(drafts) + 1 for seq, drafts in batch] + [s + len(t) for _, s, t in chunks])
+        KV slots than rows the next row, ``batch_index`` pointing at the slot). A row is ``[last, drafts...]`` at
+        its layout's positions (a tree's siblings share one, :class:`~qspec.runtime.layout.VerifyLayout`)."""
+        end = max([seq.position + len(layout) + 1 for seq, layout in batch] + [s + len(t) for _, s, t in chunks])
         if chunks:
             bound = self.model.mixed_for(k, max(k + 1, self.model.prefill.spec.seq_len), end)
         else:
             bound = self.model.decode_for(k, end)
         bound.reset()
         rows = place_rows(self.model, bound, [seq.slot for seq, _ in batch] + [seq.slot for seq, _, _ in chunks])
-        for (seq, drafts), row in zip(batch, rows):
-            n, seq.row = len(drafts), row
+        for (seq, layout), row in zip(batch, rows):
+            n, seq.row = len(layout), row
             bound.input_ids[row, 0] = seq.last
-            bound.input_ids[row, 1 : n + 1] = drafts
-            bound.position_ids[row, : n + 1] = np.arange(seq.position, seq.position + n + 1)
+            bound.input_ids[row, 1 : n + 1] = layout.tokens
+            bound.position_ids[row, : n + 1] = layout.positions(seq.position)
         for (seq, start, tokens), row in zip(chunks, rows[len(batch) :]):
             seq.row = row
             bound.input_ids[row, : len(tokens)] = tokens
@@ -235,24 +242,25 @@ class Engine:
         took = time.perf_counter() - begin
         self.seconds["decode"] += took
         if not chunks:  # a chunk's tokens are not K's price
-            live = sum(len(drafts) + 1 for _, drafts in batch)
+            live = sum(len(layout) + 1 for _, layout in batch)
             self.dispatcher.observe_call(k, took * 1000, live)
         return logits, bound.hidden_states
 
-    def accept(self, seq: SequenceState, proposal: Proposal, logits: np.ndarray) -> list[int]:
-        """Accepted drafts plus the bonus, from this row's ``[n + 1, vocab]`` logits."""
-        drafts = proposal.tokens
-        n = len(drafts)
+    def accept(self, seq: SequenceState, proposal: Proposal, logits: np.ndarray) -> tuple[list[int], list[int]]:
+        """``(path, tokens)`` from this row's ``[n + 1, vocab]`` logits: the accepted drafts' indices (a greedy row
+        walks its tree, :meth:`VerifyLayout.walk_greedy`; others are chains) and the emitted tokens, the accepted
+        drafts plus the bonus."""
+        layout = proposal.layout
         if self.force_accept is not None:
-            accepted = min(n, self.force_accept)
-            bonus = sample_tokens(logits[accepted : accepted + 1], seq.params, seq.rng)[0]
-            return [*drafts[:accepted].tolist(), bonus]
-        if seq.params.greedy:
-            accepted, bonus = accept_greedy(logits.argmax(axis=-1), drafts)
+            path = list(range(min(len(layout), self.force_accept)))
+            bonus = sample_tokens(logits[len(path) : len(path) + 1], seq.params, seq.rng)[0]
+        elif seq.params.greedy:
+            path, bonus = layout.walk_greedy(logits.argmax(axis=-1))
         else:
             probs = process_logits(logits, seq.params)
-            accepted, bonus = accept_sampled(probs, drafts, seq.rng, proposal.probs)
-        return [*drafts[:accepted].tolist(), int(bonus)]
+            accepted, bonus = accept_sampled(probs, proposal.tokens, seq.rng, proposal.probs)
+            path = list(range(accepted))
+        return path, [*layout.tokens[path].tolist(), int(bonus)]
 
     def decode(self, live: list[SequenceState]) -> None:
         """One decode step for every live sequence: propose, pick K, verify, accept."""
@@ -260,7 +268,7 @@ class Engine:
         k, depths = self.dispatcher.plan(proposals, greedy=all(seq.params.greedy for seq in live))
         batch = [(seq, p.cut(depth)) for seq, p, depth in zip(live, proposals, depths)]
         chunks = self.next_chunks()
-        logits, hidden = self.verify(k, [(seq, p.tokens) for seq, p in batch], chunks)  # [rows, k + 1, vocab]
+        logits, hidden = self.verify(k, [(seq, p.layout) for seq, p in batch], chunks)  # [rows, k + 1, vocab]
         hidden = hidden if self.proposer.wants_hidden_states else None
         for seq, start, tokens in chunks:
             if hidden is not None:
@@ -272,13 +280,20 @@ class Engine:
         for seq, proposal in batch:
             n = len(proposal)
             row = logits[seq.row, k - n : k + 1]  # right-aligned: the last n + 1 real tokens
-            tokens = self.accept(seq, proposal, row)
-            seq.metrics.target_call(k, proposed=n, accepted=len(tokens) - 1)
-            self.dispatcher.observe_row(seq.index, proposal, len(tokens) - 1)
-            if hidden is not None:  # the rows of `last` and the accepted drafts: each precedes an emitted token
-                self.proposer.observe_hidden(seq.index, seq.position, hidden[seq.row, : len(tokens)])
+            path, tokens = self.accept(seq, proposal, row)
+            layout = proposal.layout
+            moves = []  # an accepted draft off the chain: its KV to the slot of its depth
+            if proposal.parents is not None and path:
+                moves = layout.moves(path, self.model.written_slots(layout.positions(seq.position).tolist()))
+            if moves:
+                self.model.move_kv(seq.slot, [(seq.position + a, seq.position + b) for a, b in moves])
+            seq.metrics.target_call(k, proposed=n, accepted=len(path))
+            self.dispatcher.observe_row(seq.index, proposal, path)
+            rows = layout.rows(path)  # `last` and the accepted drafts: each precedes an emitted token
+            if hidden is not None:
+                self.proposer.observe_hidden(seq.index, seq.position, hidden[seq.row, rows])
             seq.position += len(tokens)  # `last` and the accepted drafts are now in the cache
-            self._emit(seq, tokens, row)
+            self._emit(seq, tokens, row[rows])
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -289,112 +304,6 @@ class Engine:
         self._updated[seq.index] = seq
         if seq.finish_reason is None:
             self.proposer.extend(seq.index, kept)
-
-    # ------------------------------------------------------------------ scheduler
-
-    @property
-    def num_running(self) -> int:
-        """Requests holding a KV slot."""
-        return sum(seq is not None for seq in self._slots)
-
-    @property
-    def num_waiting(self) -> int:
-        """Requests added and not yet admitted to a slot."""
-        return len(self._waiting)
-
-    def has_unfinished(self) -> bool:
-        return bool(self._waiting) or self.num_running > 0
-
-    def add_request(
-        self, prompt_ids: Sequence[int], params: SamplingParams | None = None, *, arrival: float | None = None
-    ) -> int:
-        """Queue a request; it joins the batch at a later :meth:`step`. Returns its request id."""
-        ids = [int(t) for t in prompt_ids]
-        request_id = self._next_id
-        check_fits(f"prompt of request {request_id}", ids, self.model.ctx_len)
-        self._next_id += 1
-        params = params or SamplingParams()
-        seq = SequenceState(request_id, ids, params, stream=TextStream(self.tokenizer), rng=make_rng(params.seed))
-        seq.metrics.arrival = time.perf_counter() if arrival is None else arrival
-        self._waiting.append(seq)
-        return request_id
-
-    def abort(self, request_id: int) -> bool:
-        """Drop a request now: it leaves the queue or frees its slot, its last delta comes with the next step;
-        False when the request is unknown or already finished."""
-        waiting = next((seq for seq in self._waiting if seq.index == request_id), None)
-        if waiting is not None:
-            self._waiting.remove(waiting)
-            waiting.finish_reason = "abort"
-            waiting.metrics.finish(time.perf_counter(), len(waiting.output))
-            self._updated[request_id] = waiting
-            return True
-        for slot, seq in enumerate(self._slots):
-            if seq is not None and seq.index == request_id:
-                seq.finish_reason = "abort"
-                self._release(slot, time.perf_counter())
-                return True
-        return False
-
-    def step(self) -> list[RequestDelta]:
-        """One scheduler iteration: admit and prefill waiting requests into free slots, one decode step
-        for every live request, retire the finished. Returns what each request produced in it."""
-        self._admit()
-        live = [seq for seq in self._slots if seq is not None and seq.prefill_done]
-        before = {seq.index: (seq.metrics.proposed, seq.metrics.accepted) for seq in live}
-        if live:
-            self.decode(live)
-        self._retire()
-        return self._drain(before)
-
-    def _admit(self) -> None:
-        """Move waiting requests into free slots and prefill them, ``batch_size`` per prefill call; while other
-        requests decode, on a model that :attr:`~LoadedModel.mixes_prefill`, their prompts go a chunk per
-        decode call instead (the decoding rows do not wait for a whole prompt: :meth:`decode`)."""
-        per_call = self.model.prefill.spec.batch_size if self.model.continuous_batching else self.num_slots
-        slots = self._slots
-        decoding = any(seq is not None and seq.prefill_done for seq in slots)
-        if self._prefilling and not decoding:  # nobody left to ride along with: finish them in prefill calls
-            group, self._prefilling = self._prefilling, []
-            self.prefill(group)
-            self._retire()
-            decoding = any(seq is not None for seq in slots)
-        mix = self.model.mixes_prefill and decoding
-        while self._waiting and self.num_running < self.num_slots:  # a KV slot is then free
-            group = []
-            while self._waiting and self.num_running < self.num_slots and len(group) < per_call:
-                seq = self._waiting.popleft()
-                seq.slot, seq.prefilled = self.prefix.take(seq.prompt, [s for s, x in enumerate(slots) if x is None])
-                slots[seq.slot] = seq
-                self.proposer.start(seq.index, seq.prompt, seq.params, seq.rng)
-                group.append(seq)
-            if mix:
-                self._prefilling.extend(group)
-                continue
-            self.prefill(group)
-            self._retire()
-
-    def _retire(self) -> None:
-        now = time.perf_counter()
-        for slot, seq in enumerate(self._slots):
-            if seq is not None and seq.finish_reason is not None:
-                self._release(slot, now)
-
-    def _release(self, slot: int, now: float) -> None:
-        seq = self._slots[slot]
-        if seq in self._prefilling:  # aborted before its prompt was in
-            self._prefilling.remove(seq)
-        seq.metrics.finish(now, len(seq.output))
-        self.proposer.finish(seq.index)
-        self.prefix.release(slot, seq.cached_tokens())  # an aborted request's too: what it wrote is exact
-        self._slots[slot] = None
-        self._updated[seq.index] = seq
-
-    def _drain(self, before: dict[int, tuple[int, int]] | None = None) -> list[RequestDelta]:
-        """The deltas of every request updated since the last drain (new tokens and text, speculation counts)."""
-        deltas = [seq.take_delta(self.tokenizer, (before or {}).get(seq.index)) for seq in self._updated.values()]
-        self._updated = {}
-        return deltas
 
     # ------------------------------------------------------------------ orchestration
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +34,7 @@ from qspec import contract
 from qspec.errors import ConfigError
 from qspec.head_manifest import HeadManifest, has_head, read_draft_ids, read_head_manifest
 from qspec.runtime.head_graph import HeadGraph
+from qspec.runtime.head_rows import HeadRequest, HeadRow, softmax_top
 from qspec.runtime.load import load_head_graph
 from qspec.runtime.proposal import DepthLimit, Proposal, Proposer, RequestId, Tokens, as_tokens
 from qspec.runtime.sampling import SamplingParams
@@ -42,39 +42,6 @@ from qspec.specializations import Specialization
 
 CHAIN_MS_DECAY = 0.1  # weight of the newest chained call in EagleProposer.chain_ms
 DEFAULT_THRESHOLD = 0.5  # a chain of drafts less likely than this (product of probabilities) ends the row's drafts
-
-
-def softmax_top(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(argmax, its probability)`` of each row of ``logits`` ``[rows, vocab]``."""
-    top = logits.argmax(axis=-1)
-    x = logits.astype(np.float64)
-    peak = x.max(axis=-1, keepdims=True)
-    return top, 1.0 / np.exp(x - peak).sum(axis=-1)
-
-
-@dataclass
-class _Request:
-    row: int  # the head's KV row
-    tokens: list[int]  # prompt and every emitted token: x_0 .. x_N
-    hidden: np.ndarray  # [ctx_len, hidden]: f_t for t < known
-    known: int = 0  # hidden states known for positions < known
-    cached: int = 0  # pairs t < cached are in the head's KV cache
-    greedy: bool = True  # how the request samples (dispatch covers a sampled row's drafts)
-
-
-@dataclass
-class _Row:
-    request: _Request
-    cap: int
-    drafts: list[int] = field(default_factory=list)
-    feature: np.ndarray | None = None  # the head's predicted feature after the last draft
-    going: bool = True
-    confidence: float = 1.0  # product of the drafts' probabilities: how likely the whole chain is right
-    first: float = 0.0  # the first draft's probability (Proposal.confidence)
-    survival: list[float] = field(default_factory=list)  # the chain's probability after each draft (Proposal.survival)
-
-    def proposal(self) -> Proposal:
-        return Proposal(np.asarray(self.drafts, np.int64), confidence=self.first, survival=np.asarray(self.survival))
 
 
 class HiddenStateProposer(Proposer):
@@ -126,7 +93,7 @@ class HiddenStateProposer(Proposer):
         self.buffer_len = ctx_len  # positions of hidden states kept per request: the target's ctx_len once known
         self.threshold = threshold
         self.depth_limit: DepthLimit | None = None  # the engine's dispatch (limit_depth)
-        self._requests: dict[RequestId, _Request] = {}
+        self._requests: dict[RequestId, HeadRequest] = {}
 
     def check_target(self, *, vocab_size: int, ctx_len: int, num_slots: int) -> None:
         if self.ctx_len and num_slots > self.rows:
@@ -140,7 +107,7 @@ class HiddenStateProposer(Proposer):
         row = next((r for r in range(self.rows) if r not in used), 0)  # a head without a cache has no rows to share
         hidden = np.zeros((self.buffer_len, self.hidden_size), np.float32)
         greedy = params is None or params.greedy
-        self._requests[request_id] = _Request(row, as_tokens(prompt_tokens).tolist(), hidden, greedy=greedy)
+        self._requests[request_id] = HeadRequest(row, as_tokens(prompt_tokens).tolist(), hidden, greedy=greedy)
 
     def limit_depth(self, useful: DepthLimit | None) -> None:
         self.depth_limit = useful
@@ -174,6 +141,7 @@ class EagleProposer(HiddenStateProposer):
     """
 
     chained = True
+    tree_width = 1  # 2: the runner-up of the first draft beside the chain (load_head_proposer)
 
     def __init__(
         self,
@@ -222,7 +190,8 @@ class EagleProposer(HiddenStateProposer):
         return feeds
 
     def propose_batch(self, items: Sequence[tuple[RequestId, int]]) -> list[Proposal]:
-        rows = [_Row(self._requests[rid], cap) for rid, cap in items if cap > 0]
+        tree = self.tree_width > 1  # a sibling of the first draft takes one of the row's slots
+        rows = [HeadRow(self._requests[rid], cap - 1 if tree and cap > 1 else cap) for rid, cap in items if cap > 0]
         if rows:
             self._catch_up(rows)
             self._chain(rows)
@@ -231,11 +200,11 @@ class EagleProposer(HiddenStateProposer):
         for rid, cap in items:
             row = by_request.get(id(self._requests[rid])) if cap > 0 else None
             drafts = np.asarray(row.drafts, np.int64) if row and row.drafts else None
-            out.append(row.proposal() if drafts is not None else Proposal.empty())
+            out.append(row.proposal(tree=tree and cap > 1) if drafts is not None else Proposal.empty())
         return out
 
     def _call(
-        self, rows: list[_Row], pieces: list[tuple[list[int], np.ndarray, int]], graph: HeadGraph | None = None
+        self, rows: list[HeadRow], pieces: list[tuple[list[int], np.ndarray, int]], graph: HeadGraph | None = None
     ) -> dict[str, np.ndarray]:
         """One head call: row i writes ``(tokens, hidden, start)`` = ``pieces[i]`` at positions ``start, ...``."""
         longest = max(len(tokens) for tokens, _, _ in pieces)
@@ -254,7 +223,7 @@ class EagleProposer(HiddenStateProposer):
             feeds[contract.BATCH_INDEX] = np.asarray([[row.request.row] for row in rows], np.int64)
         return graph.run(feeds)
 
-    def _catch_up(self, rows: list[_Row]) -> None:
+    def _catch_up(self, rows: list[HeadRow]) -> None:
         """Write every row's pairs ``(f_t, x_{t+1})`` not yet cached, widest shape first; the last call of a row
         gives its first draft."""
         limit = self.widths[-1]
@@ -277,13 +246,17 @@ class EagleProposer(HiddenStateProposer):
             if row.feature is None:  # nothing new since the last step (cannot happen after a verify)
                 row.going = False
 
-    def _take(self, row: _Row, logits: np.ndarray, feature: np.ndarray) -> None:
+    def _take(self, row: HeadRow, logits: np.ndarray, feature: np.ndarray) -> None:
         """Keep the head's draft unless the chain it ends is below the threshold (the first draft is always
         kept: the dispatch prices it); chain on while the chain's probability stays at or above it and the
         engine's dispatch says a further draft, at what a head call costs, would be verified (a chained draft
         costs a call whether it is verified or not; ``limit_depth``)."""
         top, prob = softmax_top(logits[None])
         confidence = row.confidence * float(prob[0])
+        if not row.drafts and self.tree_width > 1:  # the runner-up, a sibling of the first draft
+            second = int(np.argpartition(logits, -2)[-2])
+            x = logits.astype(np.float64)
+            row.sibling = (int(self.to_target(np.array([second]))[0]), float(np.exp(x[second] - x.max()) * prob[0]))
         if row.drafts and confidence < self.threshold:
             row.going = False
             return
@@ -297,7 +270,7 @@ class EagleProposer(HiddenStateProposer):
             useful = self.depth_limit(row.proposal(), row.cap, row.request.greedy, self.chain_ms)
             row.going = useful > len(row.drafts)
 
-    def _chain(self, rows: list[_Row]) -> None:
+    def _chain(self, rows: list[HeadRow]) -> None:
         while True:
             going = [row for row in rows if row.going]
             if not going:
@@ -410,8 +383,12 @@ def load_head_proposer(
     *,
     draft_confidence_threshold: float | None = None,
     num_threads: int | None = 1,
+    tree_width: int | None = None,
 ) -> HiddenStateProposer:
-    """The ``method`` proposer of ``package``'s draft head (``qspec compile --draft-head``)."""
+    """The ``method`` proposer of ``package``'s draft head (``qspec compile --draft-head``); ``tree_width`` 2: an
+    EAGLE head also offers its runner-up for the first draft, beside the chain (a tree, :mod:`qspec.runtime.layout`)."""
+    if tree_width is not None and tree_width not in (1, 2):
+        raise ConfigError(f"tree_width {tree_width}: use 1 (a chain) or 2 (the head's runner-up at depth 1)")
     method = HEAD_METHOD_ALIASES.get(method, method)
     if not has_head(package):
         if method == "mtp":
@@ -431,5 +408,11 @@ def load_head_proposer(
         )
         for i in range(manifest.programs)
     ]
-    proposer = head_proposer(manifest.method)
-    return proposer.from_manifest(graphs, read_draft_ids(package, manifest), manifest, threshold=threshold)
+    proposer = head_proposer(manifest.method).from_manifest(
+        graphs, read_draft_ids(package, manifest), manifest, threshold=threshold
+    )
+    if (tree_width or 1) > 1:
+        if not isinstance(proposer, EagleProposer):
+            raise ConfigError(f"tree_width {tree_width} is for an EAGLE head; {manifest.method} drafts chains")
+        proposer.tree_width = tree_width
+    return proposer

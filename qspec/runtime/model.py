@@ -33,7 +33,8 @@ import onnxruntime as ort
 
 from qspec import contract
 from qspec.backends import ort as ort_backend
-from qspec.backends.ort_plan import CallPlan, plan_names
+from qspec.backends.ort_lanes import softmax_lanes
+from qspec.backends.ort_plan import CallPlan, op_slots, plan_names
 from qspec.errors import PackageError
 from qspec.package import ONNX_FILE, runtime_graph_file
 from qspec.runtime.session import Binding, LoadedModel, SessionMode, host_arrays
@@ -81,6 +82,10 @@ class CompiledModel(LoadedModel):
 
         graph = None if vendor_graph else self.manifest.runtime_graph
         self.packs_live_tokens = graph is not None and graph.packs_live_tokens
+        # A tree graph places an off-chain draft a softmax lane group past its depth (ort_plan.op_slots): the
+        # kernel's lane count, probed once; trees stay off where no count up to TREE_LANES_MAX is exact.
+        self.lanes = softmax_lanes() if graph is not None and graph.verifies_trees else None
+        self.verifies_trees = self.lanes is not None
         # GroupQueryAttention wants room for a whole padded chunk past a row's first position (see
         # RuntimeGraph.kv_slack); positions stay < ctx_len.
         slack = graph.kv_slack(max(s.seq_len for s in specs)) if graph is not None else 0
@@ -116,7 +121,9 @@ class CompiledModel(LoadedModel):
         dtype = np.float16 if model.kv_dtype == "float16" else np.float32
         shape = (self.rows, model.num_kv_heads, self.kv_len)
         self.kv_names = contract.kv_names(model.num_layers)
-        self.kv = [ort.OrtValue.ortvalue_from_numpy(np.zeros((*shape, w), dtype=dtype)) for w in model.kv_widths()]
+        # The OrtValues wrap these arrays (no copy): move_kv writes the cache through them.
+        self.kv_arrays = [np.zeros((*shape, w), dtype=dtype) for w in model.kv_widths()]
+        self.kv = [ort.OrtValue.ortvalue_from_numpy(array) for array in self.kv_arrays]
         self.bindings: dict[Specialization, OrtBinding] = {spec: self._bind(spec, sessions[spec]) for spec in specs}
         self._index()
         # One session with free seq_len over a graph that packs live tokens and keeps a KV row per slot: a
@@ -155,7 +162,7 @@ class CompiledModel(LoadedModel):
         names = plan_names({value.name for value in session.get_inputs()})
         if names:
             rows, seq = arrays["input_ids"].shape
-            plan = CallPlan(rows, seq, arrays["logits"].shape[1], names)
+            plan = CallPlan(rows, seq, arrays["logits"].shape[1], names, lanes=self.lanes or 1)
             for name, array in plan.arrays.items():
                 values.append(ort.OrtValue.ortvalue_from_numpy(array))
                 binding.bind_ortvalue_input(name, values[-1])
@@ -171,6 +178,18 @@ class CompiledModel(LoadedModel):
         if spec not in self._mixed:  # made on first use, a few per package (K x chunk widths)
             self._mixed[spec] = self._bind(spec, self.bindings[self.prefill_spec].session)
         return self._mixed[spec]
+
+    def written_slots(self, positions: list[int]) -> list[int]:
+        if not self.verifies_trees:
+            return super().written_slots(positions)
+        return op_slots(positions, self.lanes)
+
+    def move_kv(self, slot: int, moves: list[tuple[int, int]]) -> None:
+        if not self.verifies_trees:
+            super().move_kv(slot, moves)
+        sources, targets = [a for a, _ in moves], [b for _, b in moves]
+        for array in self.kv_arrays:  # [rows, kv_heads, kv_len, width]
+            array[slot, :, targets] = array[slot, :, sources]
 
     def run(self, bound: OrtBinding) -> np.ndarray:
         """One call with the inputs written into ``bound``'s arrays; returns its logits array."""

@@ -18,9 +18,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
+from qspec.runtime.layout import VerifyLayout
 from qspec.runtime.sampling import SamplingParams
 
 RequestId = Hashable
@@ -58,13 +60,18 @@ class Proposal:
     none. Cost dispatch prices a proposal with a survival by it, calibrated by what the target accepted
     (:class:`~qspec.runtime.acceptance.SurvivalStats`), and one without by the statistics of its
     :attr:`dispatch_class` (per match length, or per tenth of confidence).
+
+    ``parents`` ``[n]``: the drafts form a tree (:class:`~qspec.runtime.layout.VerifyLayout`: the top-1 chain
+    first, then drafts off it, each naming its parent; ``-1`` the row's last token); None: a chain. A draft
+    off the chain has as ``survival`` its own probability given its parent was right (a head's runner-up).
     """
 
     tokens: np.ndarray  # [n] int64
     probs: np.ndarray | None = None  # [n, vocab]
     match_len: int = 0
     confidence: float | None = None
-    survival: np.ndarray | None = None  # [n] float64, falling
+    survival: np.ndarray | None = None  # [n] float64, falling along the chain
+    parents: np.ndarray | None = None  # [n] int64: a tree's (VerifyLayout); None: a chain
 
     def __post_init__(self) -> None:
         if self.probs is not None:
@@ -77,8 +84,13 @@ class Proposal:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    @cached_property
+    def layout(self) -> VerifyLayout:
+        """How the drafts verify: a chain, or the tree of ``parents`` (:class:`~qspec.runtime.layout.VerifyLayout`)."""
+        return VerifyLayout(self.tokens, self.parents)
+
     def cut(self, n: int) -> Proposal:
-        """The first ``n`` drafts (and their q)."""
+        """The first ``n`` drafts (and their q): the chain's first, then the other branches (a tree's order)."""
         if n >= len(self.tokens):
             return self
         return Proposal(
@@ -87,7 +99,12 @@ class Proposal:
             self.match_len,
             self.confidence,
             None if self.survival is None else self.survival[:n],
+            None if self.parents is None or self.layout.cut(n).is_chain else self.parents[:n],
         )
+
+    def chain_only(self) -> Proposal:
+        """The top-1 chain of a tree (a row that samples, or a backend without tree verification, checks it)."""
+        return self if self.parents is None else self.cut(self.layout.chain_len)
 
     @property
     def dispatch_class(self) -> int:

@@ -17,6 +17,7 @@ import numpy as np
 from pydantic import ConfigDict, Field, field_validator
 
 from qspec.common import FrozenModel
+from qspec.runtime.layout import VerifyLayout
 
 # --------------------------------------------------------------------------------------------
 # Parameters
@@ -147,14 +148,13 @@ def accept_greedy(target_argmax: np.ndarray, drafts: np.ndarray) -> tuple[int, i
     accepted, 7 is rejected and the target says 9: ``(2, 9)``; the step emits ``[5, 6, 9]``.
     With ``target_argmax = [5, 6, 7, 4]``: ``(3, 4)``, emitting ``[5, 6, 7, 4]``.
     """
-    drafts = np.asarray(drafts)
+    drafts = np.asarray(drafts, dtype=np.int64)
     n = drafts.shape[0]
     assert target_argmax.shape[0] >= n + 1, (
         f"need n + 1 = {n + 1} verify rows for {n} drafts, got {target_argmax.shape[0]}"
     )
-    mismatch = np.flatnonzero(target_argmax[:n] != drafts)
-    num_accepted = int(mismatch[0]) if mismatch.size else n
-    return num_accepted, int(target_argmax[num_accepted])
+    path, bonus = VerifyLayout.chain(drafts).walk_greedy(target_argmax)  # a chain's walk: its accepted prefix
+    return len(path), bonus
 
 
 def accept_sampled(

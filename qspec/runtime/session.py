@@ -87,6 +87,9 @@ class LoadedModel(ABC):
     packs_live_tokens: bool = False  # the graph's MatMuls run on live tokens only: padding costs (almost) nothing
     # A decode call may also carry prompt chunks (:meth:`mixed_for`): one session takes any shape.
     mixes_prefill: bool = False
+    # A verify row may be a tree (qspec.runtime.layout): the graph's attention reads each token's ancestors only
+    # (from the positions) and :meth:`move_kv` moves an accepted sibling's KV to the slot of its depth.
+    verifies_trees: bool = False
 
     def _read_package(self, package: str | Path, prefill_seq_len: int | None = None) -> None:
         """Shapes the runtime needs, from the manifest: Ks, ctx_len, KV rows, vocabulary.
@@ -173,6 +176,17 @@ class LoadedModel(ABC):
                 self.run(bound)
                 times.append((time.perf_counter() - begin) * 1000)
             self.call_ms[bound.spec] = min(times)
+
+    def written_slots(self, positions: list[int]) -> list[int]:
+        """Where a verify row's tokens at ``positions`` (``[last, drafts...]``) are written, as offsets from the
+        row's first slot: their own index (a tree graph places drafts off the chain further, see
+        :func:`qspec.backends.ort_plan.op_slots`)."""
+        return list(range(len(positions)))
+
+    def move_kv(self, slot: int, moves: list[tuple[int, int]]) -> None:
+        """Copy KV slot ``a`` of KV row ``slot`` to slot ``b`` for each ``(a, b)`` of ``moves`` (an accepted tree
+        draft's rows to the positions of their depths; every ``a`` is read before any ``b`` is written)."""
+        raise NotImplementedError(f"{type(self).__name__} does not verify trees")
 
     @abstractmethod
     def run(self, bound: Binding) -> np.ndarray:
