@@ -16,8 +16,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from qspec.runtime.engine import Engine, RequestDelta
+from qspec.runtime.engine import Engine
 from qspec.runtime.logprobs import TokenLogprob
+from qspec.runtime.request import RequestDelta
 from qspec.serve.errors import (
     bad_api_key,
     context_exceeded,

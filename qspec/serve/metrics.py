@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from qspec.runtime.engine import RequestDelta
+from qspec.runtime.request import RequestDelta
 
 FINISH_REASONS = ("stop", "length", "abort")
 # vLLM's buckets (seconds)

@@ -16,7 +16,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from qspec.runtime.engine import Engine, RequestDelta
+from qspec.runtime.engine import Engine
+from qspec.runtime.request import RequestDelta
 from qspec.runtime.sampling import SamplingParams
 from qspec.serve.errors import ServeError, queue_full, shutting_down
 from qspec.serve.metrics import ServeMetrics
