@@ -16,8 +16,8 @@ HEAD_ARGS ?= --prompts 736 --instructions 2000 --answer-with source --dialogues 
 # The EAGLE-3 head (three taps, training-time test), trained in PyTorch on the source model (`make head3`).
 HEAD3 := heads/smollm2-135m-instruct-eagle3
 HEAD3_PACKAGE := packages/smollm2-k0
-HEAD3_ARGS ?= --magpie 128 --prompts 160 --instructions 320 --dialogues 0 --max-new-tokens 256 \
-  --ttt-steps 3 --draft-vocab 4096 --epochs 4 --lr 1e-3 --threads 1
+HEAD3_ARGS ?= --magpie 640 --prompts 928 --instructions 192 --dialogues 0 --max-new-tokens 256 \
+  --ttt-steps 3 --draft-vocab 8192 --epochs 2 --lr 1e-3
 SERVE_PACKAGE := packages/smollm2-k0_4-fbs4
 CHAT_PROMPT := examples/chat.txt
 export HF_HUB_OFFLINE := 1
