@@ -1,6 +1,7 @@
 """Probe: ONNX Runtime's CPU GroupQueryAttention gives a tree's sibling, written at chunk slot p + j and masked
-from the slots between (attention_bias -inf), bit-identical output to the same token at slot p + 1 only when
-j = 1 (mod the softmax's lane width: 8 with AVX2). Prints, per j, whether the outputs are equal.
+from the slots between (attention_bias -inf), bit-identical output to the same token at slot p + 1 for every p
+when j = 1 (mod the softmax's lane width: 8 with AVX2); at other j it is equal for some p only (at p = 6, also
+j = 7, 8 mod 8). Prints, per j, whether the outputs are equal.
 
     python scripts/tree_softmax_lanes.py [--seed 0] [--cached 6]
 """
