@@ -279,13 +279,23 @@ def _head_targets(by_key: dict[str, ConfigSummary], variable: list[ConfigSummary
             alone = [
                 a
                 for a in variable
-                if a.method in (s.method.split("+")[0], "pld")
+                if (a.method == "pld" or (a.method, a.tree_width) == (s.method.split("+")[0], s.tree_width))
                 and (a.batch, a.weight_format, a.ks) == (s.batch, s.weight_format, s.ks)
             ]
             if alone:
                 best = max(alone, key=lambda a: a.overall.requests_per_s)
                 value = ratio(s.overall.requests_per_s, best.overall.requests_per_s)
                 targets.append(_at_least(f"{s.key} vs the better alone ({best.key})", value, 1.0, digits=3))
+    for s in [s for s in heads if s.tree_width > 1]:
+        chain = [
+            c
+            for c in heads
+            if c.tree_width == 1
+            and (c.method, c.ks, c.batch, c.weight_format) == (s.method, s.ks, s.batch, s.weight_format)
+        ]
+        if chain:
+            value = ratio(s.overall.requests_per_s, chain[0].overall.requests_per_s)
+            targets.append(_at_least(f"{s.key} vs its chain ({chain[0].key})", value, 1.0, digits=3))
     peers = [s for s in by_key.values() if s.backend.startswith(ORT_GENAI) and s.batch == 1]
     ours = [s for s in by_key.values() if s.backend == QSPEC and s.batch == 1]
     if peers and ours and heads:

@@ -110,6 +110,13 @@ def bench(
             "fp32 always runs; the others run none and variable K at batch 1."
         ),
     ] = None,
+    tree_widths: Annotated[
+        Optional[str],
+        typer.Option(
+            help="Head methods at batch 1 at each width, e.g. 1,2 (2: the head's runner-up beside the chain, a tree; "
+            "default 1)."
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the whole report as JSON on stdout.")] = False,
 ) -> None:
     """Benchmark none / fixed K / variable K (and transformers, ORT GenAI, llama.cpp) on a prompt set; report."""
@@ -144,6 +151,7 @@ def bench(
             comp_ctx_lengths_decode=comp_ctx_lengths_decode,
             dispatch=dispatch,
             weight_formats=weight_formats,
+            tree_widths=tree_widths,
         )
         report = _run_with_progress(model, options, run_bench)
         paths = write_report(report, output)

@@ -441,6 +441,8 @@ def test_plan_and_prompts(prompts_file):
         ({"weight_formats": ["fp16"]}, "choose from fp32, int8, int4"),
         ({"prefill_chunk_sizes": "64,512"}, r"prefill_chunk_sizes \[512\] exceed 256"),
         ({"prefill_chunk_sizes": "0"}, "sizes >= 1"),
+        ({"tree_widths": "1,3"}, r"give 1 \(chains\), 2 \(trees\) or 1,2"),
+        ({"methods": "pld", "tree_widths": "1,2"}, "are for head methods"),
     ],
 )
 def test_bad_options(overrides, message):

@@ -53,7 +53,7 @@ def head_run(tiny_model, eagle_dir, tmp_path_factory):
     args = ["bench", str(tiny_model("llama")), "--draft-head", str(eagle_dir), "--output", str(out)]
     args += ["--prompts", str(prompts), "--per-category", "0", "--batch-per-category", "0", "--max-new-tokens", "12"]
     args += ["--batch-sizes", "1,2", "--k-lists", "0,4", "--weight-formats", "fp32", "--analysis"]
-    args += ["--micro-iterations", "2"]
+    args += ["--micro-iterations", "2", "--tree-widths", "1,2"]
     args += ["--prefill-chunk-sizes", "", "--ctx-len", "128", "--prefill-seq-len", "8", "--packages-dir"]
     args += [str(out / "packages"), "--comp-ctx-lengths-prefill", "", "--comp-ctx-lengths-decode", ""]
     args += ["--no-baselines", "--no-peers"]
@@ -77,6 +77,22 @@ def test_head_methods_run_beside_pld_and_equal_none(head_run):
     # every configuration loads in its own process, heads too; the 1-vs-many comparison leaves heads out
     assert report.memory.probes["eagle+pld[0,4]@1"].peak_rss_mb > 0
     assert report.memory.many_config == "pld[0,4]@1"
+
+
+def test_tree_width_runs_each_head_method_as_a_tree_at_batch_1(head_run):
+    """--tree-widths 1,2 adds each head method with its runner-up beside the chain at batch 1 (trees are verified
+    on a one-slot package), its greedy output equal to none's, and a target against its chain."""
+    from tests.conftest import bench_targets
+
+    _, report = head_run
+    trees = sorted(s.key for s in report.configs if s.tree_width > 1)
+    assert trees == ["eagle+pld-tree2[0,4]@1", "eagle-tree2[0,4]@1"]
+    assert report.equality.speculative_equal_none is True
+    targets = {t.target for t in bench_targets().evaluate_targets(report.configs, report.memory, report.micro)}
+    assert "eagle-tree2[0,4]@1 vs its chain (eagle[0,4]@1)" in targets
+    assert "eagle+pld-tree2[0,4]@1 vs the better alone (eagle-tree2[0,4]@1)" in targets or any(
+        t.startswith("eagle+pld-tree2[0,4]@1 vs the better alone (pld[0,4]@1)") for t in targets
+    )
 
 
 def test_report_has_acceptance_per_position(head_run):

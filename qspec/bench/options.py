@@ -69,6 +69,8 @@ class BenchOptions(FrozenModel):
     num_threads: int | None = Field(default=None, ge=1)
     packages_dir: Path | None = None  # None: <qspec cache>/bench-packages
     dispatch: Literal["auto", "cover", "cost"] = "auto"  # how speculative configurations pick K
+    # Head methods at batch 1 run at each width (2: the head's runner-up verified beside the chain, a tree).
+    tree_widths: tuple[int, ...] = (1,)
     # One package set per format; fp32 first and always (quantized formats: batch 1, none and variable K).
     weight_formats: tuple[WeightFormat, ...] = ("fp32", "int4")
 
@@ -101,6 +103,14 @@ class BenchOptions(FrozenModel):
                 f"methods {unknown}: choose from none, {', '.join(SPECULATIVE_METHODS)}, {', '.join(HEAD_METHODS)}"
             )
         return tuple(dict.fromkeys(names))
+
+    @field_validator("tree_widths", mode="before")
+    @classmethod
+    def _parse_tree_widths(cls, value: Any) -> tuple[int, ...]:
+        widths = _int_list(value, "tree_widths")
+        if not widths or not set(widths) <= {1, 2}:
+            raise ValueError(f"tree_widths {value!r}: give 1 (chains), 2 (trees) or 1,2")
+        return tuple(sorted(set(widths)))
 
     @field_validator("weight_formats", mode="before")
     @classmethod
@@ -138,6 +148,10 @@ class BenchOptions(FrozenModel):
             raise ValueError("method draft needs draft_package (compile one with `qspec compile --num-layers N`)")
         if self.draft_package is not None and "draft" not in self.methods:
             raise ValueError(f"draft_package {self.draft_package} is given but methods {list(self.methods)} omit draft")
+        if self.tree_widths != (1,) and not self.head_methods:
+            raise ValueError(
+                f"tree_widths {list(self.tree_widths)} are for head methods; methods {list(self.methods)} name none"
+            )
         if self.draft_head is not None and not self.head_methods:
             raise ValueError(
                 f"draft_head {self.draft_head} is given but methods {list(self.methods)} name no head method "

@@ -32,15 +32,18 @@ class RunConfig:
     batch: int
     backend: str = QSPEC
     weight_format: str = "fp32"
+    tree_width: int = 1  # a head's drafts at depth 1 (2: its runner-up beside the chain, EngineConfig.tree_width)
 
     @property
     def name(self) -> str:
-        """``none``, ``pld[0,4]``, ``pld[0,4]-int4``, ``transformers-pld[4]``: the line in the plot.
+        """``none``, ``pld[0,4]``, ``pld[0,4]-int4``, ``eagle-tree2[0,4]``, ``transformers-pld[4]``: the line in the
+        plot.
 
         fp32 keeps the bare name (the reports before weight formats); another format is a suffix,
         as in the peers' ``ort-genai-int4``.
         """
-        name = self.method if self.method == "none" or not self.ks else f"{self.method}[{','.join(map(str, self.ks))}]"
+        method = self.method if self.tree_width == 1 else f"{self.method}-tree{self.tree_width}"
+        name = method if self.method == "none" or not self.ks else f"{method}[{','.join(map(str, self.ks))}]"
         return name if self.baseline or self.weight_format == "fp32" else f"{name}-{self.weight_format}"
 
     @property
@@ -78,20 +81,31 @@ def plan_configs(options: BenchOptions, *, draft_slots: int | None = None) -> li
     what the issue compares against the peers (batch 1, greedy and speculation) with a quick run
     kept under ~25 minutes on 2 cores (each format adds a compile, a micro-benchmark and its
     rounds). ``draft_slots``: KV slots of the draft package; ``draft`` runs only at batch sizes it can hold.
+    A tree width above 1 adds each head method at that width, at batch 1 only (trees are verified on a
+    one-slot package; with several rows in flight the engine verifies the chain).
     """
     configs = []
     primary, *others = options.weight_formats
     for batch in options.batch_sizes:
         configs.append(none_config(primary, batch))
         methods = [m for m in options.methods if m != "draft" or draft_slots is None or batch <= draft_slots]
-        configs += [RunConfig(m, ks, batch, QSPEC, primary) for m in methods for ks in options.k_lists]
+        for m in methods:
+            configs += [
+                RunConfig(m, ks, batch, QSPEC, primary, w) for w in _widths(options, m, batch) for ks in options.k_lists
+            ]
     variable = [ks for ks in options.k_lists if len(ks) > 1]
     for weight_format in others:
         configs.append(none_config(weight_format, 1))
-        configs += [RunConfig(m, ks, 1, QSPEC, weight_format) for m in options.methods for ks in variable]
+        for m in options.methods:
+            configs += [RunConfig(m, ks, 1, QSPEC, weight_format, w) for w in _widths(options, m, 1) for ks in variable]
     if options.baselines:
         configs += transformers_configs()
     return configs
+
+
+def _widths(options: BenchOptions, method: str, batch: int) -> tuple[int, ...]:
+    """The tree widths ``method`` runs at ``batch``: every given width for a head method at batch 1, else 1."""
+    return options.tree_widths if batch == 1 and method in options.head_methods else (1,)
 
 
 def beside_baselines(configs: Sequence[RunConfig]) -> list[RunConfig]:
@@ -161,4 +175,5 @@ def engine_config(
         dispatch=dispatch,
         num_threads=num_threads,
         draft_package=draft_package if config.method == "draft" else None,
+        tree_width=config.tree_width if config.tree_width > 1 else None,
     )

@@ -94,12 +94,14 @@ class ConfigSummary(ReportModel):
     round_walls_s: list[float]
     round_other_cpu: list[float]  # other processes' CPU share during each round
     weight_format: str | None = None  # the weights it ran: fp32, int8, int4 (llama.cpp: the GGUF type, q4_1)
+    tree_width: int = 1  # a head's drafts at depth 1 (RunConfig.tree_width)
 
     @classmethod
     def for_config(cls, config: RunConfig, **results: Any) -> ConfigSummary:
         """The summary of ``config``: what it is from the config, what it measured from ``results``."""
         identity = dict(key=config.key, name=config.name, method=config.method, ks=list(config.ks))
         identity |= dict(batch=config.batch, backend=config.backend, weight_format=config.weight_format)
+        identity |= dict(tree_width=config.tree_width)
         return cls(**identity, **results)
 
 
