@@ -14,6 +14,7 @@ from qspec_cli.common import (
     DraftPackageOption,
     DraftThresholdOption,
     MethodOption,
+    TreeWidthOption,
     cli_errors,
     console,
     escape,
@@ -32,6 +33,7 @@ def chat(
     prompt_lookup_max: Annotated[int, typer.Option(help="pld: largest n-gram to match.")] = 3,
     draft_package: DraftPackageOption = None,
     draft_confidence_threshold: DraftThresholdOption = None,
+    tree_width: TreeWidthOption = None,
     dispatch: DispatchOption = "auto",
     backend: Annotated[Backend, typer.Option(help="ort (ONNX Runtime, CPU) or qaic (the package's QPC).")] = "ort",
     num_threads: Annotated[Optional[int], typer.Option(help="ONNX Runtime threads (default: all cores).")] = None,
@@ -62,6 +64,7 @@ def chat(
             prompt_lookup_max=prompt_lookup_max,
             draft_package=draft_package,
             draft_confidence_threshold=draft_confidence_threshold,
+            tree_width=tree_width,
         )
         with status("loading the package"):
             engine = Engine(package, config)

@@ -77,6 +77,15 @@ DraftThresholdOption = Annotated[
         "(default: eagle/medusa 0.5, draft 0 = off).",
     ),
 ]
+TreeWidthOption = Annotated[
+    Optional[int],
+    typer.Option(
+        min=1,
+        max=2,
+        help="eagle: 2 verifies the head's runner-up for the first draft beside the chain (a tree; one KV slot "
+        "on the ort backend, else the chain); default 1, the chain.",
+    ),
+]
 DispatchOption = Annotated[
     str,
     typer.Option(

@@ -14,6 +14,7 @@ from qspec_cli.common import (
     DraftPackageOption,
     DraftThresholdOption,
     MethodOption,
+    TreeWidthOption,
     cli_errors,
     console,
     escape,
@@ -83,15 +84,7 @@ def generate(
     prompt_lookup_max: Annotated[int, typer.Option(help="pld: largest n-gram to match.")] = 3,
     draft_package: DraftPackageOption = None,
     draft_confidence_threshold: DraftThresholdOption = None,
-    tree_width: Annotated[
-        Optional[int],
-        typer.Option(
-            min=1,
-            max=2,
-            help="eagle: 2 verifies the head's runner-up for the first draft beside the chain (a tree; one KV slot "
-            "on the ort backend, else the chain); default 1, the chain.",
-        ),
-    ] = None,
+    tree_width: TreeWidthOption = None,
     max_batch_size: Annotated[Optional[int], typer.Option(help="Sequences in flight (default: all KV slots).")] = None,
     dispatch: DispatchOption = "auto",
     backend: Annotated[

@@ -11,6 +11,7 @@ from qspec_cli.common import (
     DraftPackageOption,
     DraftThresholdOption,
     MethodOption,
+    TreeWidthOption,
     cli_errors,
     console,
     escape,
@@ -37,6 +38,7 @@ def method_options(
     prompt_lookup_max: int,
     draft_package: Optional[Path],
     draft_confidence_threshold: Optional[float] = None,
+    tree_width: Optional[int] = None,
 ) -> dict[str, Any]:
     from qspec.errors import ConfigError
     from qspec.runtime.proposers import HEAD_METHODS, METHOD_ALIASES
@@ -45,6 +47,12 @@ def method_options(
     method = METHOD_ALIASES.get(method, method)
     if draft_confidence_threshold is not None and method in (*HEAD_METHODS, "draft"):
         options["draft_confidence_threshold"] = draft_confidence_threshold
+    if tree_width is not None and tree_width > 1:
+        if method not in HEAD_METHODS:
+            raise ConfigError(
+                f"--tree-width {tree_width} is for a draft head's method (eagle, eagle+pld), not {method}"
+            )
+        options["tree_width"] = tree_width
     if method == "pld" or method.endswith("+pld"):
         options |= {"prompt_lookup_min": prompt_lookup_min, "prompt_lookup_max": prompt_lookup_max}
     if method == "draft":
@@ -65,6 +73,7 @@ def serve(
     prompt_lookup_max: Annotated[int, typer.Option(help="pld: largest n-gram to match.")] = 3,
     draft_package: DraftPackageOption = None,
     draft_confidence_threshold: DraftThresholdOption = None,
+    tree_width: TreeWidthOption = None,
     dispatch: DispatchOption = "auto",
     max_batch_size: Annotated[
         Optional[int], typer.Option(help="Requests in the running batch (default: all KV slots).")
@@ -127,6 +136,7 @@ def serve(
                 prompt_lookup_max=prompt_lookup_max,
                 draft_package=draft_package,
                 draft_confidence_threshold=draft_confidence_threshold,
+                tree_width=tree_width,
             ),
             dispatch=dispatch,
             max_batch_size=max_batch_size,

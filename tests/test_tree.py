@@ -203,3 +203,20 @@ def test_trees_on_two_rows_of_one_call_keep_greedy_output(tiny_model, tmp_path):
     assert engine.model.verifies_trees and engine.num_slots == 2
     assert [o.token_ids for o in engine.generate(PROMPTS, params)] == plain
     assert engine.dispatcher.siblings.passed > 5
+
+
+def test_tree_width_is_a_draft_heads_option():
+    """generate, chat and serve take --tree-width for a head's methods (aliases too); for a chain drafter it is a
+    one-line error, not a silently ignored knob."""
+    from qspec_cli.serve import method_options
+
+    from qspec.errors import ConfigError
+    from qspec.runtime.config import EngineConfig
+
+    assert EngineConfig.create(method="eagle3+pld", tree_width=2).proposer_knobs() == {"tree_width": 2}
+    with pytest.raises(ConfigError, match="tree_width 2 is for a draft head's method .* pld drafts chains"):
+        EngineConfig.create(method="pld", tree_width=2)
+    lookup = {"prompt_lookup_min": 1, "prompt_lookup_max": 3, "draft_package": None}
+    assert method_options("eagle", **lookup, tree_width=2)["tree_width"] == 2
+    with pytest.raises(ConfigError, match="--tree-width 2 is for a draft head's method"):
+        method_options("suffix", **lookup, tree_width=2)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from qspec.common import FrozenModel
 from qspec.runtime.session import SessionMode
@@ -40,6 +40,17 @@ class EngineConfig(FrozenModel):
     draft_confidence_threshold: float | None = None
     tree_width: int | None = None  # a head's drafts at depth 1 (2: its runner-up beside the chain; default 1)
     proposer_options: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _trees_are_a_heads(self) -> EngineConfig:
+        from qspec.runtime.proposers import HEAD_METHODS, METHOD_ALIASES
+
+        if (self.tree_width or 1) > 1 and METHOD_ALIASES.get(self.method, self.method) not in HEAD_METHODS:
+            raise ValueError(
+                f"tree_width {self.tree_width} is for a draft head's method (eagle, eagle+pld); {self.method} drafts "
+                "chains: drop it or use --method eagle"
+            )
+        return self
 
     @classmethod
     def of(cls, **knobs: Any) -> EngineConfig:
