@@ -27,3 +27,26 @@ def test_code_records_teacher_force_standard_library_functions(tmp_path):
     assert len(records) == 5 and all(not r["answer_ids"] for r in records)
     text = tokenizer.decode(records[0]["prompt_ids"])
     assert "Write a Python function `" in text and "```python\ndef " in text
+
+
+def test_training_logs_the_chain_accuracy_of_each_eval_set(tiny_model, tmp_path):
+    """``train_head(evals=...)`` logs every epoch's chain accuracy on each named features file beside the
+    held-out one: on the training file itself it is the accuracy of the same positions the head trained on."""
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+
+    from qspec.heads.train import TrainOptions, train_head
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_model("llama"))
+    rng = np.random.default_rng(0)
+    lengths = [24] * 12
+    starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    tokens = rng.integers(0, 16, starts[-1]).astype(np.int64)  # few distinct tokens: something to learn
+    features = rng.standard_normal((starts[-1], target.config.hidden_size)).astype(np.float16)
+    path = tmp_path / "features-train.npz"
+    np.savez(path, features=features, tokens=tokens, starts=starts, answer_starts=starts[:-1] + 4)
+    options = TrainOptions(method="eagle", draft_vocab=16, epochs=2, batch_sequences=4, held_out=0.2, threads=1)
+    log = train_head([path], target, tmp_path / "head", options, evals={"probe": [path]})
+    assert [sorted(e["chain_accuracy"]) for e in log["epochs"]] == [["probe"], ["probe"]]
+    accuracy = log["epochs"][-1]["chain_accuracy"]["probe"]
+    assert len(accuracy) == 3 and 1 >= accuracy[0] >= accuracy[1] >= accuracy[2] >= 0

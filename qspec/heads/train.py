@@ -247,10 +247,13 @@ def train_head(
     *,
     state_dir: Path | None = None,
     progress: Progress | None = None,
+    evals: dict[str, list[Path]] | None = None,
 ) -> dict:
     """Train a head for ``target_model`` (the HF model the package was exported from: its embeddings and
     LM head) on ``features``; write it to ``output`` in its layout with ``train_log.json``. Resumes from
-    ``train_state-METHOD.pt`` in ``state_dir`` (default: ``output``), written after every epoch."""
+    ``train_state-METHOD.pt`` in ``state_dir`` (default: ``output``), written after every epoch. ``evals``:
+    more features files (MT-bench answers, say), whose chain accuracy every epoch logs under its name beside the
+    held-out one (``chain_accuracy``): the learning curve on data the head never trains on."""
     import torch
 
     from qspec.heads import modules
@@ -263,6 +266,7 @@ def train_head(
         torch.set_num_threads(options.threads)
     data = load_features(features, target_model.get_output_embeddings(), say)
     train_ids, held_ids = _split(data, options.held_out, options.seed)
+    eval_sets = {name: load_features(paths) for name, paths in (evals or {}).items()}
     vocab = target_model.config.vocab_size
     draft_ids = draft_vocabulary(data, options.draft_vocab)
     t2d = np.full(vocab, IGNORE, np.int64)
@@ -331,6 +335,11 @@ def train_head(
             "held_out_chain_accuracy": [round(a, 4) for a in accuracy],
             "seconds": round(time.perf_counter() - epoch_begin, 1),
         }
+        if eval_sets:
+            entry["chain_accuracy"] = {
+                name: [round(a, 4) for a in evaluate(head, d, list(range(len(d["starts"]) - 1)), t2d)]
+                for name, d in eval_sets.items()
+            }
         log["epochs"].append(entry)
         say(f"epoch {epoch + 1}: held-out chain accuracy {entry['held_out_chain_accuracy']}")
         torch.save(
