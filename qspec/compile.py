@@ -208,6 +208,12 @@ def _reusable(target: Path, key: str) -> Manifest | None:
     return None
 
 
+def tree_inputs(options: CompileOptions, config: SpecializationConfig) -> bool:
+    """The vendor graph takes the tree inputs (``write_slots``, ``tree_mask``, ``kv_moves``): for a backend whose
+    vendor graph verifies trees, when a decode shape has drafts (``K > 0``); a chain-only package is unchanged."""
+    return compile_backend(options.backend).vendor_tree_inputs and max(config.num_speculative_tokens) > 0
+
+
 def _export(
     model: str | os.PathLike[str],
     options: CompileOptions,
@@ -225,6 +231,7 @@ def _export(
         continuous_batching=config.continuous_batching,
         speculative=config.speculative,
         comp_ctx_lengths=config.comp_ctx_lengths,
+        tree_inputs=tree_inputs(options, config),
         num_layers=options.num_layers,
         hidden_states=options.exports_hidden_states and not taps,  # taps: the head's fc makes them (_fold_taps)
         taps=taps,
@@ -242,6 +249,7 @@ def _export(
         continuous_batching=export_options.continuous_batching,
         speculative=export_options.speculative,
         comp_ctx_lengths=export_options.comp_ctx_lengths,
+        tree_inputs=export_options.tree_inputs,
         truncated_layers=options.num_layers,
         hidden_states=options.exports_hidden_states,
     )

@@ -13,6 +13,13 @@ POSITION_IDS = "position_ids"  # int64 [batch_size, seq_len]; PAD_POSITION marks
 BATCH_INDEX = "batch_index"  # int64 [batch_size, 1]; continuous batching only
 NUM_LOGITS_TO_KEEP = "num_logits_to_keep"  # int64 [num_logits_to_keep, 1]; only its shape matters
 COMP_CTX_LENGTHS = "comp_ctx_lengths"  # int64 [comp_ctx_lengths]; its length bounds the slots attention reads
+# Tree verification on the vendor graph (ExportOptions.tree_inputs; qspec.runtime.layout): siblings share a
+# position, so the KV of a call goes to explicit slots, attention follows an ancestor mask, and an accepted
+# sibling's KV is copied to its depth's slot by the next call. Dims are the specializations' own symbols.
+WRITE_SLOTS = "write_slots"  # int64 [batch_size, seq_len]: the KV slot of each live token (a chain: its position)
+TREE_MASK = "tree_mask"  # bool [batch_size, seq_len, seq_len]: [b, s, t] token s may see token t of its row
+KV_MOVES = "kv_moves"  # int64 [batch_size, seq_len, 2]: (from, to) KV slot copies of the row, before the call
+TREE_INPUTS = (WRITE_SLOTS, TREE_MASK, KV_MOVES)
 
 # Graph output.
 LOGITS = "logits"  # float [batch_size, num_logits_to_keep or 1, vocab]
@@ -60,7 +67,12 @@ def kv_names(num_layers: int) -> list[str]:
 
 
 def input_names(
-    num_layers: int, *, continuous_batching: bool, speculative: bool, comp_ctx_lengths: bool = False
+    num_layers: int,
+    *,
+    continuous_batching: bool,
+    speculative: bool,
+    comp_ctx_lengths: bool = False,
+    tree_inputs: bool = False,
 ) -> list[str]:
     """Graph input names, in order, for a graph with these options."""
     names = [INPUT_IDS, POSITION_IDS]
@@ -70,6 +82,8 @@ def input_names(
         names.append(NUM_LOGITS_TO_KEEP)
     if comp_ctx_lengths:
         names.append(COMP_CTX_LENGTHS)
+    if tree_inputs:
+        names.extend(TREE_INPUTS)
     return names + kv_names(num_layers)
 
 

@@ -117,6 +117,7 @@ class ModelEntry(ModelInfo):
     export_key: str
     continuous_batching: bool
     comp_ctx_lengths: bool = False  # the graph has the `comp_ctx_lengths` input
+    tree_inputs: bool = False  # the vendor graph has `write_slots`, `tree_mask` and `kv_moves` (trees verify on it)
     hidden_states: bool = False  # the graphs have the `hidden_states` output (a draft head reads it)
     speculative: bool
     truncated_layers: int | None = None

@@ -299,6 +299,7 @@ def trace_to_onnx(
         speculative=options.speculative,
         comp_ctx_lengths=options.comp_ctx_lengths,
         hidden_states=options.hidden_states,
+        tree_inputs=options.tree_inputs,
     ).eval()
     streamed = None
     if checkpoint is not None:

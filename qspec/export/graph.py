@@ -28,6 +28,7 @@ class ExportOptions(BaseModel):
     continuous_batching: bool = False  # `batch_index` input, KV buffers of `full_batch_size` rows
     speculative: bool = True  # `num_logits_to_keep` input: logits of the last K + 1 positions
     comp_ctx_lengths: bool = False  # `comp_ctx_lengths` input: its length bounds the KV slots attention reads
+    tree_inputs: bool = False  # `write_slots`, `tree_mask`, `kv_moves` inputs: verify rows may be trees
     num_layers: int | None = Field(default=None, ge=1)  # keep only the first N decoder layers
     hidden_states: bool = False  # `hidden_states` output: the final-norm state of every position (draft heads)
     # `tap.{i}` outputs [batch, seq, hidden]: the residual stream entering layer i (Hugging Face's
@@ -62,6 +63,10 @@ def expected_dims(num_layers: int, options: ExportOptions, vocab_size: int) -> d
         dims[contract.NUM_LOGITS_TO_KEEP] = [contract.NUM_LOGITS_TO_KEEP, 1]
     if options.comp_ctx_lengths:
         dims[contract.COMP_CTX_LENGTHS] = [contract.COMP_CTX_LENGTHS]
+    if options.tree_inputs:
+        dims[contract.WRITE_SLOTS] = tokens
+        dims[contract.TREE_MASK] = [*tokens, contract.SEQ_LEN]
+        dims[contract.KV_MOVES] = [*tokens, 2]
     kv = [rows, None, contract.CTX_LEN, None]  # None: a fixed size the contract does not name
     dims |= {name: kv for name in contract.kv_names(num_layers)}
     keep = contract.NUM_LOGITS_TO_KEEP if options.speculative else 1
@@ -109,9 +114,17 @@ def check_ctx_functions(path: Path, num_layers: int, options: ExportOptions) -> 
     proto = onnx.load(str(path), load_external_data=False)
     calls = ctx_calls(path)
     cb = options.continuous_batching
-    assert calls.get(CTX_SCATTER[cb], 0) == 2 * num_layers, f"{calls} has not one {CTX_SCATTER[cb]} per K and V"
+    # With tree inputs a layer also copies moved KV slots (one more scatter per K and V) and places the ancestor
+    # mask at the call's slots (one CtxScatter over the queries: not a KV write, never the CB variant).
+    writes = 4 if options.tree_inputs else 2
+    mask = {CTX_SCATTER[False]: num_layers} if options.tree_inputs else {}
+    kv_writes = calls.get(CTX_SCATTER[cb], 0) - mask.get(CTX_SCATTER[cb], 0)
+    assert kv_writes == writes * num_layers, f"{calls} has not {writes // 2} {CTX_SCATTER[cb]} per K and V"
     assert calls.get(CTX_GATHER[cb], 0) >= 2 * num_layers, f"{calls} has not a {CTX_GATHER[cb]} per K and V read"
-    assert set(calls) == {CTX_SCATTER[cb], CTX_GATHER[cb]}, f"{calls}: another variant's function in the graph"
+    if mask and cb:
+        assert calls.get(CTX_SCATTER[False], 0) == num_layers, f"{calls} has not one mask CtxScatter per layer"
+    variants = {CTX_SCATTER[cb], CTX_GATHER[cb], *mask}
+    assert set(calls) == variants, f"{calls}: another variant's function in the graph"
     defined = {(f.domain, f.name) for f in proto.functions if f.node}
     missing = sorted(name for name in calls if (CTX_DOMAIN, name) not in defined)
     assert not missing, f"the graph calls {missing} without defining them"

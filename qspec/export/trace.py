@@ -138,6 +138,14 @@ def piece_specs(lm: nn.Module, info, options) -> list[PieceSpec]:
             names.append(contract.COMP_CTX_LENGTHS)
             examples.append(torch.zeros(ctx - 3, dtype=torch.int64))  # attend fewer slots than the buffer
             shapes.append({0: Dim(f"ccl_layer{j}", min=1)})
+        if options.tree_inputs:  # a chain's: written at its positions, each token seeing those before it
+            names += list(contract.TREE_INPUTS)
+            examples += [
+                torch.arange(seq).repeat(batch, 1),
+                torch.ones(seq, seq, dtype=torch.bool).tril().repeat(batch, 1, 1),
+                torch.zeros(batch, seq, 2, dtype=torch.int64),
+            ]
+            shapes += [{0: b, 1: s}, {0: b, 1: s, 2: s}, {0: b, 1: s}]
         specs.append(
             PieceSpec(
                 layer_function_name(lm, index),
@@ -168,8 +176,10 @@ def _layer_call(lm: nn.Module, index: int, options) -> Callable[..., tuple]:
     def call(hidden, cos, sin, query_pos, anchor, valid, *rest):
         rest = list(rest)
         batch_index = rest.pop(0) if options.continuous_batching else None
+        tree = tuple(rest[-3:]) if options.tree_inputs else None
+        rest = rest[:-3] if options.tree_inputs else rest
         ccl = rest.pop() if options.comp_ctx_lengths else None
-        return lm.layer_step(index, hidden, cos, sin, query_pos, anchor, valid, batch_index, *rest, ccl)
+        return lm.layer_step(index, hidden, cos, sin, query_pos, anchor, valid, batch_index, *rest, ccl, tree=tree)
 
     return call
 
@@ -340,6 +350,8 @@ def compose(lm: nn.Module, pieces: dict[str, Piece], options, streamed=None):
     if options.comp_ctx_lengths:
         ccl = graph_input(first_layer, contract.COMP_CTX_LENGTHS)
         inputs.append(ccl)
+    tree = [graph_input(first_layer, name) for name in contract.TREE_INPUTS] if options.tree_inputs else []
+    inputs.extend(tree)
 
     nodes, retained = [], []
     pro = ir.node(
@@ -371,6 +383,7 @@ def compose(lm: nn.Module, pieces: dict[str, Piece], options, streamed=None):
                 *([batch_index] if batch_index is not None else []),
                 *past,
                 *([ccl] if ccl is not None else []),
+                *tree,
                 *(weight(t, f"layers.{i}.{j}") for j, t in enumerate(tensors)),
             ],
             domain=DOMAIN,

@@ -94,8 +94,10 @@ class KVExplicitLM(nn.Module):
         speculative: bool,
         comp_ctx_lengths: bool = False,
         hidden_states: bool = False,
+        tree_inputs: bool = False,
     ):
         super().__init__()
+        self.tree_inputs = tree_inputs  # `write_slots`, `tree_mask`, `kv_moves` inputs after the others
         self.hidden_states = hidden_states  # also return the final-norm hidden state of every position
         self.model = model
         self.config = model.config
@@ -125,12 +127,13 @@ class KVExplicitLM(nn.Module):
         batch_index = rest.pop(0) if self.continuous_batching else None  # [batch, 1]
         num_logits = rest.pop(0) if self.speculative else None  # [num_logits_to_keep, 1]
         ccl = rest.pop(0) if self.comp_ctx_lengths else None  # [comp_ctx_lengths]
+        tree = tuple(rest.pop(0) for _ in range(3)) if self.tree_inputs else None  # write_slots, tree_mask, kv_moves
         assert len(rest) == 2 * self.num_layers, f"expected {2 * self.num_layers} KV inputs, got {len(rest)}"
         hidden, *shared = self.prologue(input_ids, position_ids)
         new_kv = []
         for i in range(self.num_layers):
             kv = (rest[2 * i], rest[2 * i + 1])
-            hidden, keys, values = self.layer_step(i, hidden, *shared, batch_index, *kv, ccl)
+            hidden, keys, values = self.layer_step(i, hidden, *shared, batch_index, *kv, ccl, tree=tree)
             new_kv.extend((keys, values))
         out = self.epilogue(hidden, shared[-1], num_logits)
         return (*(out if self.hidden_states else (out,)), *new_kv)
@@ -164,12 +167,15 @@ class KVExplicitLM(nn.Module):
         past_value,
         ccl=None,
         attn_input=None,
+        tree=None,
     ):
         """Decoder layer ``i`` over the static KV buffers; returns ``hidden, keys', values'``.
 
         ``ccl`` (compute context length): attention reads only slots ``[0, len(ccl))``; the caller
         keeps every live position below it. The write still goes to the whole ``ctx_len`` buffer.
         ``attn_input``: what q/k/v read instead of ``input_layernorm(hidden)`` (an EAGLE-3 head's 2H input).
+        ``tree``: ``(write_slots, tree_mask, kv_moves)`` (:func:`_tree_slots`): the KV slots come from the
+        host, attention follows the ancestor mask, and the row's moved slots are copied first.
         """
         layer = self.layers[i]
         key_pos = torch.arange(past_key.shape[2], dtype=torch.int64)  # [ctx_len]
@@ -177,11 +183,18 @@ class KVExplicitLM(nn.Module):
         ctx_len = key_pos[-1:] + 1  # a tensor: the exporter cannot take a remainder by a symbolic int
         slots = torch.where(valid, query_pos, torch.remainder(anchor + steps, ctx_len))  # [batch, seq]
         read = ccl.shape[0] if ccl is not None else past_key.shape[2]
-        mask = _visible(
-            query_pos, key_pos[:read] if ccl is not None else key_pos, self.windows[i]
-        )  # [b, 1, 1, seq, read]
         kv = (past_key, past_value)
-        reads = _read_slots(query_pos, read)
+        if tree is None:
+            mask = _visible(
+                query_pos, key_pos[:read] if ccl is not None else key_pos, self.windows[i]
+            )  # [b, 1, 1, seq, read]
+            reads = _read_slots(query_pos, read)
+        else:
+            write_slots, tree_mask, kv_moves = tree
+            slots = torch.where(valid, write_slots, slots)
+            kv = (_move(past_key, kv_moves, batch_index), _move(past_value, kv_moves, batch_index))
+            mask = _tree_visible(query_pos, slots, tree_mask, valid, key_pos, read, self.windows[i])
+            reads = _read_slots(torch.where(valid, slots, torch.zeros_like(slots)), read)
         cos, sin = self._layer_rope(i, cos, sin)
         norms = self.adapter.norms
         if attn_input is not None:
@@ -336,6 +349,35 @@ def _read(buffer, reads, batch_index):
     if batch_index is None:
         return ctx_gather(buffer, reads, reads.shape[2])
     return ctx_gather_cb(buffer, batch_index, reads, reads.shape[2])
+
+
+def _move(buffer, moves, batch_index):
+    """``buffer`` with slot ``moves[b, j, 0]`` of each call row's KV copied to slot ``moves[b, j, 1]`` (an accepted
+    tree draft's KV to its depth's slot, :meth:`qspec.runtime.layout.VerifyLayout.moves`); a row without moves
+    repeats one copy of a slot onto itself, a no-op. ``CtxGather`` then ``CtxScatter``, as the write."""
+    src, dst = moves[:, :, 0], moves[:, :, 1]  # [batch, m]
+    if batch_index is None:
+        return ctx_scatter(buffer, dst, ctx_gather(buffer, src[:, None, :], src.shape[1]))
+    return ctx_scatter_cb(buffer, batch_index, dst, ctx_gather_cb(buffer, batch_index, src[:, None, :], src.shape[1]))
+
+
+def _tree_visible(query_pos, slots, tree_mask, valid, key_pos, read: int, window: int | None):
+    """``mask[b, 0, 0, s, j]`` of a call whose live tokens are written at ``slots`` ``[batch, seq]``: query ``s`` sees
+    the row's slots before its first written one (the cache; within ``window`` positions) and the slot of every
+    live token ``t`` with ``tree_mask[b, s, t]``. The mask is placed at the tokens' slots by ``CtxScatter``,
+    the queries as its heads. On a chain (``slots`` its positions, ``tree_mask`` lower-triangular) this is
+    :func:`_visible`'s mask. Example, slots ``[10, 11, 12, 13]`` of a tree ``[last, a, b, c]`` (``c`` beside
+    ``a``): ``c`` sees slots ``0..9``, 10 and 13."""
+    batch, seq = slots.shape
+    far = torch.full_like(slots, 2**62)
+    start = torch.where(valid, slots, far).amin(dim=1, keepdim=True)  # [batch, 1]; a row of padding: far
+    history = key_pos[None, None, :read] < start[:, :, None]  # [batch, 1, read]
+    if window is not None:
+        history = history & (key_pos[None, None, :read] > query_pos[:, :, None] - window)  # [batch, seq, read]
+    allowed = (tree_mask & valid[:, None, :]).to(torch.float32)  # [batch, query, token]
+    grid = torch.zeros(batch, seq, key_pos.shape[0], 1, dtype=torch.float32)
+    placed = ctx_scatter(grid, slots, allowed.unsqueeze(-1))[..., :read, 0]  # [batch, query, read]
+    return (history | (placed > 0.5))[:, None, None]
 
 
 def _visible(query_pos, key_pos, window: int | None):

@@ -38,6 +38,7 @@ from qspec.backends.ort_plan import CallPlan, op_slots, plan_names
 from qspec.errors import PackageError
 from qspec.package import ONNX_FILE, runtime_graph_file
 from qspec.runtime.session import Binding, LoadedModel, SessionMode, host_arrays
+from qspec.runtime.tree_inputs import write_tree_inputs
 from qspec.specializations import Specialization
 
 
@@ -85,7 +86,9 @@ class CompiledModel(LoadedModel):
         # A tree graph places an off-chain draft a softmax lane group past its depth (ort_plan.op_slots): the
         # kernel's lane count, probed once; trees stay off where no count up to TREE_LANES_MAX is exact.
         self.lanes = softmax_lanes() if graph is not None and graph.verifies_trees else None
-        self.verifies_trees = self.lanes is not None
+        # The vendor graph with tree inputs (backend qaic's) verifies trees at any lane count: slots come from the host.
+        self.tree_inputs = graph is None and self.manifest.model.tree_inputs
+        self.verifies_trees = self.lanes is not None or self.tree_inputs
         # GroupQueryAttention wants room for a whole padded chunk past a row's first position (see
         # RuntimeGraph.kv_slack); positions stay < ctx_len.
         slack = graph.kv_slack(max(s.seq_len for s in specs)) if graph is not None else 0
@@ -136,7 +139,12 @@ class CompiledModel(LoadedModel):
         return spec.model_copy(update={"ctx_len": self.kv_len})
 
     def _bind(self, spec: Specialization, session: ort.InferenceSession) -> OrtBinding:
-        arrays = host_arrays(self._session_spec(spec), self.vocab_size, continuous_batching=self.continuous_batching)
+        arrays = host_arrays(
+            self._session_spec(spec),
+            self.vocab_size,
+            continuous_batching=self.continuous_batching,
+            tree_inputs=self.tree_inputs,
+        )
         binding = session.io_binding()
         values = [ort.OrtValue.ortvalue_from_numpy(arrays[name]) for name in ("input_ids", "position_ids", "logits")]
         binding.bind_ortvalue_input(contract.INPUT_IDS, values[0])
@@ -158,6 +166,9 @@ class CompiledModel(LoadedModel):
             keep_n = arrays["logits"].shape[1]
             values.append(ort.OrtValue.ortvalue_from_numpy(np.zeros((keep_n, 1), dtype=np.int64)))
             binding.bind_ortvalue_input(contract.NUM_LOGITS_TO_KEEP, values[-1])
+        for name, array in (arrays["tree"] or {}).items():  # KV moves are made on the host (move_kv): none here
+            values.append(ort.OrtValue.ortvalue_from_numpy(array))
+            binding.bind_ortvalue_input(name, values[-1])
         plan = None
         names = plan_names({value.name for value in session.get_inputs()})
         if names:
@@ -180,7 +191,7 @@ class CompiledModel(LoadedModel):
         return self._mixed[spec]
 
     def written_slots(self, positions: list[int]) -> list[int]:
-        if not self.verifies_trees:
+        if self.lanes is None:
             return super().written_slots(positions)
         return op_slots(positions, self.lanes)
 
@@ -195,5 +206,7 @@ class CompiledModel(LoadedModel):
         """One call with the inputs written into ``bound``'s arrays; returns its logits array."""
         if bound.plan is not None:
             bound.plan.write(bound.position_ids)
+        if bound.tree is not None:
+            write_tree_inputs(bound.position_ids, bound.tree)
         bound.session.run_with_iobinding(bound.binding)
         return bound.logits

@@ -25,6 +25,7 @@ from qspec import contract
 from qspec.backends.qaic import QPC_DIR, QPC_PROGRAM
 from qspec.errors import QSpecError
 from qspec.runtime.session import Binding, LoadedModel, host_arrays
+from qspec.runtime.tree_inputs import write_moves, write_tree_inputs
 
 SESSION_MODULE = "QEfficient.generation.cloud_infer"  # where QAICInferenceSession lives
 SESSION_CLASS = "QAICInferenceSession"
@@ -90,11 +91,32 @@ class QaicModel(LoadedModel):
         self.kv_names = contract.kv_names(self.manifest.model.num_layers)
         # The KV cache stays on the device: neither written from nor read back to the host.
         self.session.skip_buffers(self.kv_names + [contract.retained(name) for name in self.kv_names])
+        # A vendor graph with tree inputs verifies trees; an accepted sibling's KV is copied on the device by the
+        # next call that runs its KV row (kv_moves), as the ort backend copies it on the host.
+        self.verifies_trees = self.manifest.model.tree_inputs
+        self._moves: dict[int, list[tuple[int, int]]] = {}  # KV row -> slot copies the next call makes
         self.bindings = {
-            spec: Binding(spec, **host_arrays(spec, self.vocab_size, continuous_batching=self.continuous_batching))
+            spec: Binding(
+                spec,
+                **host_arrays(
+                    spec, self.vocab_size, continuous_batching=self.continuous_batching, tree_inputs=self.verifies_trees
+                ),
+            )
             for spec in self.manifest.specializations
         }
         self._index()
+
+    def move_kv(self, slot: int, moves: list[tuple[int, int]]) -> None:
+        if not self.verifies_trees:
+            super().move_kv(slot, moves)
+        self._moves[slot] = self._moves.get(slot, []) + moves
+
+    def _tree_inputs(self, bound: Binding) -> dict[str, np.ndarray]:
+        """The call's tree inputs; each call row takes its KV row's pending copies (the copies are then made)."""
+        write_tree_inputs(bound.position_ids, bound.tree)
+        kv_rows = bound.batch_index[:, 0].tolist() if bound.batch_index is not None else range(bound.spec.batch_size)
+        write_moves(bound.tree[contract.KV_MOVES], [self._moves.pop(row, []) for row in kv_rows])
+        return bound.tree
 
     def run(self, bound: Binding) -> np.ndarray:
         inputs = {contract.INPUT_IDS: bound.input_ids, contract.POSITION_IDS: bound.position_ids}
@@ -104,6 +126,8 @@ class QaicModel(LoadedModel):
             inputs[contract.COMP_CTX_LENGTHS] = bound.comp_ctx_lengths
         if self.speculative:  # only its shape matters: it selects the specialization
             inputs[contract.NUM_LOGITS_TO_KEEP] = np.zeros((bound.logits.shape[1], 1), dtype=np.int64)
+        if bound.tree is not None:
+            inputs.update(self._tree_inputs(bound))
         self.session.set_buffers({contract.LOGITS: bound.logits})
         outputs = self.session.run(inputs)
         bound.logits[...] = outputs[contract.LOGITS]

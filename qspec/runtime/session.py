@@ -27,6 +27,7 @@ import numpy as np
 from qspec import contract
 from qspec.errors import PromptTooLongError
 from qspec.package import ONNX_FILE, Manifest, check_package
+from qspec.runtime.tree_inputs import tree_arrays
 from qspec.specializations import Specialization, decode_specialization, prefill_specialization
 
 SessionMode = Literal["shared", "static"]  # ort: one session for every specialization, or one each
@@ -45,6 +46,9 @@ class Binding:
     # [batch_size, seq_len, hidden]: every live position's final-norm hidden state, on a package compiled for
     # a draft head (``manifest.model.hidden_states``); padding entries are unspecified.
     hidden_states: np.ndarray | None = None
+    # A vendor graph with tree inputs: {name: array} of write_slots, tree_mask and kv_moves, written before each call
+    # from position_ids (qspec.runtime.tree_inputs).
+    tree: dict[str, np.ndarray] | None = None
 
     def reset(self) -> None:
         """Every row padding: token 0 at PAD_POSITION."""
@@ -58,10 +62,13 @@ class Binding:
         self.position_ids[:, :tokens_per_row] = np.arange(tokens_per_row)
 
 
-def host_arrays(spec: Specialization, vocab_size: int, *, continuous_batching: bool) -> dict[str, Any]:
+def host_arrays(
+    spec: Specialization, vocab_size: int, *, continuous_batching: bool, tree_inputs: bool = False
+) -> dict[str, Any]:
     """Zeroed host arrays of ``spec``'s shapes, every row padding: the fields of a :class:`Binding`."""
     rows, seq = spec.batch_size, spec.seq_len
     return {
+        "tree": tree_arrays(rows, seq) if tree_inputs else None,
         "input_ids": np.zeros((rows, seq), dtype=np.int64),
         "position_ids": np.full((rows, seq), contract.PAD_POSITION, dtype=np.int64),
         "batch_index": np.arange(rows, dtype=np.int64)[:, None] if continuous_batching else None,
