@@ -29,13 +29,26 @@ COMPILER = TESTS / "fake_qaic" / "qaic-compile"
 
 @pytest.fixture(scope="module")
 def packages(tiny_model, tmp_path_factory):
-    """Compiled for qaic by the stand-in compiler: ``b1`` K 0,4 one row; ``b2`` K 0,4 two rows a call; ``k0`` K 0."""
+    """Compiled for qaic by the stand-in compiler: ``b1`` K 0,4 one row; ``b2`` K 0,4 two rows a call; ``cb`` K 0,4
+    continuous batching, 2 rows a call over 3 KV slots (``batch_index``: a row's copies go to its slot); ``k0`` K 0."""
     root = tmp_path_factory.mktemp("qaic-tree")
     built = {}
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("QAIC_COMPILE", str(COMPILER))
-        for name, ks, batch in (("b1", "0,4", 1), ("b2", "0,4", 2), ("k0", "0", 1)):
-            spec = make_config(num_speculative_tokens=ks, ctx_len=64, prefill_seq_len=8, batch_size=batch)
+        for name, ks, batch, fbs, slots in (
+            ("b1", "0,4", 1, None, None),
+            ("b2", "0,4", 2, None, None),
+            ("cb", "0,4", 1, 2, 3),
+            ("k0", "0", 1, None, None),
+        ):
+            spec = make_config(
+                num_speculative_tokens=ks,
+                ctx_len=64,
+                prefill_seq_len=8,
+                batch_size=batch,
+                full_batch_size=fbs,
+                kv_cache_batch_size=slots,
+            )
             options = CompileOptions.create(specialization=spec, backend="qaic")
             built[name], manifest, _ = compile_package(tiny_model("llama"), options, output=root / name)
             assert manifest.qaic.ran and manifest.model.tree_inputs == (ks != "0")
@@ -88,14 +101,18 @@ def test_tree_inputs_from_positions():
 
 
 def prefilled(package):
+    """The package on the QAIC session, every KV row holding a prompt of ``P`` tokens (rows differ)."""
     model = load_model(package, backend="qaic")
     assert model.verifies_trees
     prefill = model.prefill
-    prefill.reset()
-    for row in range(prefill.input_ids.shape[0]):
-        prefill.input_ids[row, :P] = PROMPTS[3 - row][:P]
+    for slot in range(model.rows):
+        prefill.reset()
+        row = 0 if prefill.batch_index is not None else slot
+        if prefill.batch_index is not None:
+            prefill.batch_index[0, 0] = slot
+        prefill.input_ids[row, :P] = PROMPTS[3 - slot][:P]
         prefill.position_ids[row, :P] = np.arange(P)
-    model.run(prefill)
+        model.run(prefill)
     return model
 
 
@@ -117,32 +134,35 @@ def test_a_tree_row_on_the_vendor_graph_gives_each_token_its_chain_logits(packag
 
 
 @pytest.mark.usefixtures("qaic_runtime")
-def test_an_accepted_siblings_kv_is_copied_on_the_device_by_the_next_call(packages):
+@pytest.mark.parametrize(("name", "slot"), [("b1", 0), ("cb", 2)])
+def test_an_accepted_siblings_kv_is_copied_on_the_device_by_the_next_call(packages, name, slot):
     """The sibling wins: ``move_kv`` (slot p+3 to p+1) is made by the next call's ``kv_moves``; the next token's
-    logits are those after a plain ``[last, c]`` call, and not without the copy."""
-    model = prefilled(packages["b1"])
-    call(model, 4, {0: ([50, 60], np.arange(P, P + 2))})
-    expected = call(model, 0, {0: ([61], np.array([P + 2]))})[0]
-    call(model, 4, {0: ([50, *TREE.tokens], TREE.positions(P))})
-    stale = call(model, 0, {0: ([61], np.array([P + 2]))})[0]
+    logits are those after a plain ``[last, c]`` call, and not without the copy. With continuous batching the row
+    runs KV slot 2 on call row 0 (``batch_index``): the copy goes to the KV row, not the call row."""
+    model = prefilled(packages[name])
+    call(model, 4, {slot: ([50, 60], np.arange(P, P + 2))})
+    expected = call(model, 0, {slot: ([61], np.array([P + 2]))})[slot]
+    call(model, 4, {slot: ([50, *TREE.tokens], TREE.positions(P))})
+    stale = call(model, 0, {slot: ([61], np.array([P + 2]))})[slot]
     assert np.abs(stale - expected).max() > 0.1
-    call(model, 4, {0: ([50, *TREE.tokens], TREE.positions(P))})
+    call(model, 4, {slot: ([50, *TREE.tokens], TREE.positions(P))})
     path, _ = TREE.walk_greedy(np.array([60, 0, 0, 0]))
     moves = TREE.moves(path, model.written_slots(TREE.positions(P).tolist()))
     assert moves == [(3, 1)]  # written at the slot after the chain, copied to its depth's
-    model.move_kv(0, [(P + a, P + b) for a, b in moves])
-    np.testing.assert_allclose(call(model, 0, {0: ([61], np.array([P + 2]))})[0], expected, atol=1e-5)
+    model.move_kv(slot, [(P + a, P + b) for a, b in moves])
+    np.testing.assert_allclose(call(model, 0, {slot: ([61], np.array([P + 2]))})[slot], expected, atol=1e-5)
 
 
 @pytest.mark.usefixtures("qaic_runtime")
-@pytest.mark.parametrize("name", ["b1", "b2"])
-def test_greedy_trees_on_the_vendor_graph_equal_none(packages, name):
+@pytest.mark.parametrize(("name", "backend"), [("b1", "qaic"), ("b2", "qaic"), ("cb", "qaic"), ("b1", "ort")])
+def test_greedy_trees_on_the_vendor_graph_equal_none(packages, name, backend):
     """Trees around the known output (siblings accepted on odd steps, so their KV is copied by the next call): the
-    output on the QAIC session equals `none`'s, token for token, on one row and on two rows a call."""
+    output on the QAIC session equals `none`'s, token for token, on one row, two rows a call, and with continuous
+    batching; and on ONNX Runtime running the same vendor graph (the copies then made on the host)."""
     package = packages[name]
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     plain = [o.token_ids for o in Engine(package, method="none", backend="qaic").generate(PROMPTS, params)]
-    engine = Engine(package, proposer=OracleTree(plain), dispatch="cover", backend="qaic")
+    engine = Engine(package, proposer=OracleTree(plain), dispatch="cover", backend=backend)
     assert engine.model.verifies_trees
     assert [o.token_ids for o in engine.generate(PROMPTS, params)] == plain
     assert engine.dispatcher.siblings.passed > 5
