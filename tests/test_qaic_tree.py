@@ -187,3 +187,30 @@ def test_an_eagle_head_with_tree_width_2_on_the_vendor_graph_keeps_greedy_output
     )
     assert [o.token_ids for o in engine.generate(PROMPTS, params)] == plain
     assert engine.model.verifies_trees and engine.dispatcher.siblings.offered > 0
+
+
+@pytest.mark.usefixtures("qaic_runtime")
+def test_the_tree_graph_keeps_parity_with_pytorch_on_a_sliding_window_family(tiny_model, tmp_path):
+    """Gemma 2 (a window of 6 on one layer of two) on the QAIC session: an 8-token prefill chunk (wider than the
+    window: the mask's window applies to the call's own tokens too), then a tree ``[last, a, b, c]``, match
+    PyTorch within 1e-4: ``a``, ``b`` as the chain ``prompt + [last, a, b]``, ``c`` as ``prompt + [last, c]``."""
+    from tests.test_export import TOL, reference_logits
+
+    spec = make_config(num_speculative_tokens="0,4", ctx_len=32, prefill_seq_len=8)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("QAIC_COMPILE", str(COMPILER))
+        model_dir = tiny_model("gemma2")
+        package = compile_package(
+            model_dir, CompileOptions.create(specialization=spec, backend="qaic"), output=tmp_path
+        )[0]
+    model = load_model(package, backend="qaic")
+    prompt = np.random.default_rng(4).integers(3, 259, size=8).tolist()
+    prefill = model.prefill
+    prefill.reset()
+    prefill.input_ids[0], prefill.position_ids[0] = prompt, np.arange(8)
+    first = model.run(prefill)[0, 0].copy()
+    np.testing.assert_allclose(first, reference_logits(model_dir, prompt)[7], atol=TOL)
+    last, (a, b, c) = int(first.argmax()), TREE.tokens.tolist()
+    tree = call(model, 4, {0: ([last, a, b, c], TREE.positions(8))})[0]
+    np.testing.assert_allclose(tree[:3], reference_logits(model_dir, [*prompt, last, a, b])[8:11], atol=TOL)
+    np.testing.assert_allclose(tree[3], reference_logits(model_dir, [*prompt, last, c])[9], atol=TOL)

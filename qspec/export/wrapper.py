@@ -363,21 +363,22 @@ def _move(buffer, moves, batch_index):
 
 def _tree_visible(query_pos, slots, tree_mask, valid, key_pos, read: int, window: int | None):
     """``mask[b, 0, 0, s, j]`` of a call whose live tokens are written at ``slots`` ``[batch, seq]``: query ``s`` sees
-    the row's slots before its first written one (the cache; within ``window`` positions) and the slot of every
-    live token ``t`` with ``tree_mask[b, s, t]``. The mask is placed at the tokens' slots by ``CtxScatter``,
-    the queries as its heads. On a chain (``slots`` its positions, ``tree_mask`` lower-triangular) this is
-    :func:`_visible`'s mask. Example, slots ``[10, 11, 12, 13]`` of a tree ``[last, a, b, c]`` (``c`` beside
-    ``a``): ``c`` sees slots ``0..9``, 10 and 13."""
+    the row's slots before its first written one (the cache) and the slot of every live token ``t`` with
+    ``tree_mask[b, s, t]``, all within ``window`` slots of its position (a sliding-window layer). The mask is
+    placed at the tokens' slots by ``CtxScatter``, the queries as its heads. On a chain (``slots`` its positions,
+    ``tree_mask`` lower-triangular) this is :func:`_visible`'s mask. Example, slots ``[10, 11, 12, 13]`` of a tree
+    ``[last, a, b, c]`` (``c`` beside ``a``): ``c`` sees slots ``0..9``, 10 and 13."""
     batch, seq = slots.shape
     far = torch.full_like(slots, 2**62)
     start = torch.where(valid, slots, far).amin(dim=1, keepdim=True)  # [batch, 1]; a row of padding: far
     history = key_pos[None, None, :read] < start[:, :, None]  # [batch, 1, read]
-    if window is not None:
-        history = history & (key_pos[None, None, :read] > query_pos[:, :, None] - window)  # [batch, seq, read]
     allowed = (tree_mask & valid[:, None, :]).to(torch.float32)  # [batch, query, token]
     grid = torch.zeros(batch, seq, key_pos.shape[0], 1, dtype=torch.float32)
     placed = ctx_scatter(grid, slots, allowed.unsqueeze(-1))[..., :read, 0]  # [batch, query, read]
-    return (history | (placed > 0.5))[:, None, None]
+    mask = history | (placed > 0.5)
+    if window is not None:  # by slot: a chain's slots are its positions
+        mask = mask & (key_pos[None, None, :read] > query_pos[:, :, None] - window)
+    return mask[:, None, None]
 
 
 def _visible(query_pos, key_pos, window: int | None):
