@@ -74,7 +74,9 @@ def export_key(digest: str, options: ExportOptions) -> str:
     import transformers
 
     versions = f"qspec={__version__};torch={torch.__version__};transformers={transformers.__version__}"
-    payload = f"{digest}|{options.model_dump_json()}|{versions}|opset={OPSET}|format={EXPORT_FORMAT}"
+    # Without tree inputs the options read as before they existed: earlier exports stay in the cache.
+    dumped = options.model_dump_json(exclude=None if options.tree_inputs else {"tree_inputs"})
+    payload = f"{digest}|{dumped}|{versions}|opset={OPSET}|format={EXPORT_FORMAT}"
     return hashlib.sha256(payload.encode()).hexdigest()[:24]
 
 
