@@ -82,8 +82,8 @@ TreeWidthOption = Annotated[
     typer.Option(
         min=1,
         max=2,
-        help="eagle: 2 verifies the head's runner-up for the first draft beside the chain (a tree; one KV slot "
-        "on the ort backend, else the chain); default 1, the chain.",
+        help="eagle: 2 verifies the head's runner-up for the first draft beside the chain (a tree: ort with one "
+        "KV slot, or a qaic package; else the chain); default 1, the chain.",
     ),
 ]
 DispatchOption = Annotated[

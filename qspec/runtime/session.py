@@ -95,7 +95,8 @@ class LoadedModel(ABC):
     # A decode call may also carry prompt chunks (:meth:`mixed_for`): one session takes any shape.
     mixes_prefill: bool = False
     # A verify row may be a tree (qspec.runtime.layout): the graph's attention reads each token's ancestors only
-    # (from the positions) and :meth:`move_kv` moves an accepted sibling's KV to the slot of its depth.
+    # (from the positions; a vendor graph's tree inputs are written from them, qspec.runtime.tree_inputs) and
+    # :meth:`move_kv` moves an accepted sibling's KV to the slot of its depth (qaic: by the row's next call).
     verifies_trees: bool = False
 
     def _read_package(self, package: str | Path, prefill_seq_len: int | None = None) -> None:
