@@ -89,6 +89,13 @@ def compile(
     vendor_graph: Annotated[
         bool, typer.Option(help="ort: also ship model.onnx and its fp32 weights (the qaic backend always does).")
     ] = False,
+    tree_inputs: Annotated[
+        bool,
+        typer.Option(
+            help="qaic (or --vendor-graph): the vendor graph takes write_slots, tree_mask and kv_moves for K > 0, so "
+            "qspec's runtime verifies trees on it (off: the chain-only graph other runtimes run)."
+        ),
+    ] = False,
     aic_hw_version: Annotated[
         Optional[str], typer.Option(help="qaic: -aic-hw-version, ai100 or ai200 (default: from qaic-util, else ai100).")
     ] = None,
@@ -167,6 +174,7 @@ def compile(
             weight_format=weight_format,
             hidden_states=hidden_states,
             vendor_graph=vendor_graph,
+            tree_inputs=tree_inputs,
             draft_head=str(draft_head) if draft_head else None,
             draft_head_weight_format=draft_head_weight_format,
             mtp=mtp,

@@ -63,6 +63,10 @@ class CompileOptions(FrozenModel):
     draft_head: str | None = None  # a draft head checkpoint folder (any kind of qspec.heads.kinds): PACKAGE/head/
     draft_head_weight_format: WeightFormat | None = None  # the head's runtime-graph MatMuls; None: head_weight_format
     vendor_graph: bool = False  # backend ort: also ship model.onnx and its fp32 weights (backend qaic always does)
+    # The vendor graph verifies trees: write_slots, tree_mask and kv_moves inputs for K > 0 (a runtime that feeds
+    # them: qspec's). Off, the vendor graph is the chain-only one QEfficient-style runtimes run. The ort runtime graph
+    # verifies trees either way.
+    tree_inputs: bool = False
     mtp: bool = False  # the model checkpoint's own MTP layers as the head (qspec.heads.mtp)
 
     @property
@@ -106,6 +110,17 @@ class CompileOptions(FrozenModel):
             raise ValueError("draft_head_weight_format is the head's: give --draft-head too (or --mtp), or drop it")
         if self.mtp and self.draft_head is not None:
             raise ValueError("a package holds one head: give --mtp or --draft-head, not both")
+        return self
+
+    @model_validator(mode="after")
+    def _tree_inputs_need_a_vendor_graph_with_drafts(self) -> CompileOptions:
+        if self.tree_inputs and not self.ships_vendor_graph:
+            raise ValueError(
+                "tree_inputs are the vendor graph's (--backend qaic or --vendor-graph); the ort runtime graph "
+                "verifies trees without them: drop --tree-inputs"
+            )
+        if self.tree_inputs and max(self.specialization.num_speculative_tokens) == 0:
+            raise ValueError("tree_inputs need a decode shape with drafts: add a K > 0 (-k 0,4) or drop --tree-inputs")
         return self
 
     @model_validator(mode="after")
@@ -209,9 +224,9 @@ def _reusable(target: Path, key: str) -> Manifest | None:
 
 
 def tree_inputs(options: CompileOptions, config: SpecializationConfig) -> bool:
-    """The vendor graph takes the tree inputs (``write_slots``, ``tree_mask``, ``kv_moves``): for a backend whose
-    vendor graph verifies trees, when a decode shape has drafts (``K > 0``); a chain-only package is unchanged."""
-    return compile_backend(options.backend).vendor_tree_inputs and max(config.num_speculative_tokens) > 0
+    """The vendor graph takes the tree inputs (``write_slots``, ``tree_mask``, ``kv_moves``): when asked
+    (``--tree-inputs``) and a decode shape has drafts (``K > 0``); without them the package is a chain-only one."""
+    return options.tree_inputs and max(config.num_speculative_tokens) > 0
 
 
 def _export(

@@ -17,7 +17,6 @@ from qspec.compile import CompileOptions, compile_package
 from qspec.runtime import Engine, SamplingParams
 from qspec.runtime.load import load_model
 from qspec.runtime.qaic_session import QaicRuntimeError
-from qspec.runtime.tree_inputs import tree_arrays
 from qspec.specializations import make_config
 
 TESTS = Path(__file__).parent
@@ -116,7 +115,6 @@ def test_shapes_must_match_a_compiled_specialization(packages, qaic_runtime):
                 "position_ids": np.zeros((1, 3), dtype=np.int64),
                 "num_logits_to_keep": np.zeros((3, 1), dtype=np.int64),
                 "logits": np.zeros((1, 3, 320), np.float32),
-                **tree_arrays(1, 3),  # K > 0: the vendor graph's tree inputs
             }
         )
 

@@ -15,6 +15,7 @@ import pytest
 
 from qspec import contract
 from qspec.compile import CompileOptions, compile_package
+from qspec.errors import ConfigError
 from qspec.runtime import Engine, SamplingParams
 from qspec.runtime.layout import VerifyLayout
 from qspec.runtime.load import load_model
@@ -29,17 +30,19 @@ COMPILER = TESTS / "fake_qaic" / "qaic-compile"
 
 @pytest.fixture(scope="module")
 def packages(tiny_model, tmp_path_factory):
-    """Compiled for qaic by the stand-in compiler: ``b1`` K 0,4 one row; ``b2`` K 0,4 two rows a call; ``cb`` K 0,4
-    continuous batching, 2 rows a call over 3 KV slots (``batch_index``: a row's copies go to its slot); ``k0`` K 0."""
+    """Compiled for qaic by the stand-in compiler with ``--tree-inputs``: ``b1`` K 0,4 one row; ``b2`` K 0,4 two rows a
+    call; ``cb`` K 0,4 continuous batching, 2 rows a call over 3 KV slots (``batch_index``: a row's copies go to its
+    slot); and without: ``k0`` K 0, ``chain`` K 0,4 (the chain-only vendor graph)."""
     root = tmp_path_factory.mktemp("qaic-tree")
     built = {}
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("QAIC_COMPILE", str(COMPILER))
-        for name, ks, batch, fbs, slots in (
-            ("b1", "0,4", 1, None, None),
-            ("b2", "0,4", 2, None, None),
-            ("cb", "0,4", 1, 2, 3),
-            ("k0", "0", 1, None, None),
+        for name, ks, batch, fbs, slots, trees in (
+            ("b1", "0,4", 1, None, None, True),
+            ("b2", "0,4", 2, None, None, True),
+            ("cb", "0,4", 1, 2, 3, True),
+            ("k0", "0", 1, None, None, False),
+            ("chain", "0,4", 1, None, None, False),
         ):
             spec = make_config(
                 num_speculative_tokens=ks,
@@ -49,9 +52,9 @@ def packages(tiny_model, tmp_path_factory):
                 full_batch_size=fbs,
                 kv_cache_batch_size=slots,
             )
-            options = CompileOptions.create(specialization=spec, backend="qaic")
+            options = CompileOptions.create(specialization=spec, backend="qaic", tree_inputs=trees)
             built[name], manifest, _ = compile_package(tiny_model("llama"), options, output=root / name)
-            assert manifest.qaic.ran and manifest.model.tree_inputs == (ks != "0")
+            assert manifest.qaic.ran and manifest.model.tree_inputs == trees
     return built
 
 
@@ -60,19 +63,40 @@ def inputs(package) -> dict[str, list]:
     return {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in proto.graph.input}
 
 
-def test_the_vendor_graph_takes_the_tree_inputs_on_the_specializations_own_symbols(packages):
+def test_the_vendor_graph_takes_the_tree_inputs_on_the_specializations_own_symbols(packages, qaic_runtime):  # noqa: F811
     """K > 0: ``write_slots`` [batch_size, seq_len], ``tree_mask`` [batch_size, seq_len, seq_len], ``kv_moves``
     [batch_size, seq_len, 2], so specializations.json, custom_io.yaml and the command are a chain-only package's
-    (QEfficient's sampler inputs follow the same rule); K 0 only: no tree inputs."""
+    (QEfficient's sampler inputs follow the same rule); K 0 only, or without --tree-inputs: no tree inputs, and the
+    session verifies chains."""
     dims = inputs(packages["b1"])
     assert dims[contract.WRITE_SLOTS] == ["batch_size", "seq_len"]
     assert dims[contract.TREE_MASK] == ["batch_size", "seq_len", "seq_len"]
     assert dims[contract.KV_MOVES] == ["batch_size", "seq_len", 2]
     assert not set(contract.TREE_INPUTS) & set(inputs(packages["k0"]))
+    assert not set(contract.TREE_INPUTS) & set(inputs(packages["chain"]))
+    assert load_model(packages["b1"], backend="qaic").verifies_trees
+    assert not load_model(packages["chain"], backend="qaic").verifies_trees
+    for name in ("specializations.json", "custom_io.yaml"):
+        assert (packages["b1"] / name).read_text() == (packages["chain"] / name).read_text()
     custom_io = (packages["b1"] / "custom_io.yaml").read_text()
     assert not any(name in custom_io for name in contract.TREE_INPUTS)  # integers and booleans keep their type
     specs = json.loads((packages["b1"] / "specializations.json").read_text())["specializations"]
     assert [set(s) for s in specs] == [{"batch_size", "seq_len", "ctx_len", "num_logits_to_keep"}] * 3
+
+
+@pytest.mark.parametrize(
+    ("ks", "backend", "message"),
+    [
+        ("0,4", "ort", "tree_inputs are the vendor graph's .* drop --tree-inputs"),
+        ("0", "qaic", "tree_inputs need a decode shape with drafts"),
+    ],
+)
+def test_tree_inputs_are_refused_where_they_mean_nothing(ks, backend, message):
+    """--tree-inputs without a vendor graph (the ort runtime graph verifies trees anyway) or without a K > 0 is a
+    one-line error naming the fix."""
+    spec = make_config(num_speculative_tokens=ks, ctx_len=64, prefill_seq_len=8)
+    with pytest.raises(ConfigError, match=message):
+        CompileOptions.create(specialization=spec, backend=backend, tree_inputs=True)
 
 
 def test_the_stand_in_compiler_refuses_a_specialization_without_a_symbol_of_an_input(packages, tmp_path):
@@ -176,7 +200,7 @@ def test_an_eagle_head_with_tree_width_2_on_the_vendor_graph_keeps_greedy_output
 
     head = save_head(tiny_model("llama"), tmp_path / "head", "eagle")
     spec = make_config(num_speculative_tokens="0,1,2,4", prefill_seq_len=8, ctx_len=64)
-    options = CompileOptions.create(specialization=spec, backend="qaic", draft_head=str(head))
+    options = CompileOptions.create(specialization=spec, backend="qaic", draft_head=str(head), tree_inputs=True)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("QAIC_COMPILE", str(COMPILER))
         package = compile_package(tiny_model("llama"), options, output=tmp_path / "pkg")[0]
@@ -201,7 +225,7 @@ def test_the_tree_graph_keeps_parity_with_pytorch_on_a_sliding_window_family(tin
         patch.setenv("QAIC_COMPILE", str(COMPILER))
         model_dir = tiny_model("gemma2")
         package = compile_package(
-            model_dir, CompileOptions.create(specialization=spec, backend="qaic"), output=tmp_path
+            model_dir, CompileOptions.create(specialization=spec, backend="qaic", tree_inputs=True), output=tmp_path
         )[0]
     model = load_model(package, backend="qaic")
     prompt = np.random.default_rng(4).integers(3, 259, size=8).tolist()

@@ -67,9 +67,6 @@ class CompileBackend(ABC):
     name: ClassVar[str]  # CompileOptions.backend, Manifest.backend
     # The package holds model.onnx and its fp32 weights whatever --vendor-graph says (what a vendor compiles).
     ships_vendor_graph: ClassVar[bool] = False
-    # The vendor graph it compiles takes the tree inputs (contract.TREE_INPUTS) whenever a decode shape has drafts:
-    # its runtime then verifies trees (qspec.runtime.layout).
-    vendor_tree_inputs: ClassVar[bool] = False
     # The CCL rule its compiler imposes on the specializations (qspec.ccl), None: the user's.
     ccl_rule: ClassVar[str | None] = None
     # CompileOptions fields the backend never reads: left out of the package's inputs key.

@@ -63,10 +63,6 @@ class QaicBackend(CompileBackend):
 
     name = "qaic"
     ships_vendor_graph = True
-    # Always, for K > 0 (not an option): three small inputs whose dims are the specializations' own symbols, so
-    # specializations.json, custom_io.yaml and the command are those of a chain-only package. Opt-in instead:
-    # `vendor_tree_inputs` becomes a CompileOptions field read in qspec.compile.tree_inputs.
-    vendor_tree_inputs = True
     ccl_rule = "qefficient"  # the CCL lists follow qaic-compile's rules (qspec.ccl), the manifest records it
     unread_options = frozenset()
 
