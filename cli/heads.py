@@ -45,7 +45,13 @@ def train_head(
         Optional[str],
         typer.Option("--target", "--model", help="The model the package was compiled from (default: its manifest's)."),
     ] = None,
-    magpie: Annotated[int, typer.Option(help="eagle3: requests the model writes itself (Magpie), answered.")] = 1200,
+    magpie: Annotated[
+        Optional[int],
+        typer.Option(help="Requests the model writes itself (Magpie), answered (default: eagle3 1200, else 0)."),
+    ] = None,
+    eval_mt_bench: Annotated[
+        int, typer.Option(help="MT-bench first turns answered for the learning curve only (never trained on).")
+    ] = 16,
     ttt_steps: Annotated[int, typer.Option(help="eagle3: unroll steps of the training-time test.")] = 4,
     taps: Annotated[
         Optional[str], typer.Option(help="eagle3: three layer ids, e.g. 2,15,27 (default 2,L/2,L-3).")
@@ -75,7 +81,8 @@ def train_head(
                 threads,
                 as_json,
                 data=dict(
-                    magpie=magpie,
+                    magpie=1200 if magpie is None else magpie,
+                    eval_mt_bench=eval_mt_bench,
                     prompts=prompts,
                     instructions=instructions,
                     dialogues=dialogues,
@@ -105,6 +112,8 @@ def train_head(
             answer_with=answer_with,
             prompts_file=data,
             max_new_tokens=max_new_tokens,
+            magpie=magpie or 0,
+            eval_mt_bench=eval_mt_bench,
             seed=seed,
         )
         work = work_dir or output.parent / f".{output.name}-work"
@@ -121,7 +130,9 @@ def train_head(
             print(json.dumps(log, indent=2))
             return
         last = log["epochs"][-1]
+        mt_bench = last.get("chain_accuracy", {}).get("mt_bench")
         print(
             f"wrote {output} ({method}, draft vocabulary {log['draft_vocab']}, {log['train_positions']} training "
             f"positions): held-out chain accuracy {last['held_out_chain_accuracy']}"
+            + (f", MT-bench {mt_bench}" if mt_bench else "")
         )

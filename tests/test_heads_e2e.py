@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -66,13 +67,22 @@ def heads(model, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("heads")
     package = compile_tiny(model, root / "hs", hidden_states=True)
+    # A random tiny model writes no usable request of its own: the Magpie phase resumes from requests an earlier
+    # sitting wrote (the file the phase appends to), answers them and takes the package's features of the answers.
+    generated = root / "work" / "generated"
+    generated.mkdir(parents=True)
+    requests = [f"Write {n} short sentences about the sea." for n in range(2, 10)]
+    lines = [json.dumps({"prompt": text, "batch": 0}) for text in requests]
+    (generated / "requests-magpie.jsonl").write_text("\n".join(lines) + "\n")
     out = {}
     for method in ("eagle", "medusa"):
         args = ["train-head", str(package), "--output", str(root / method), "--method", method]
         args += ["--prompts", "40", "--dialogues", "40", "--max-new-tokens", "40", "--epochs", "8"]
         args += ["--draft-vocab", "320", "--lr", "3e-3", "--work-dir", str(root / "work"), "--json"]
         if method == "medusa":  # the other data phases: instructions answered by the source model, code
-            args += ["--instructions", "16", "--answer-with", "source", "--code", "8"]
+            args += ["--instructions", "16", "--answer-with", "source", "--code", "8", "--eval-mt-bench", "0"]
+        else:  # requests the model writes itself (Magpie) and MT-bench answers for the learning curve
+            args += ["--magpie", "8", "--eval-mt-bench", "2"]
         result = CliRunner().invoke(app, args)
         assert result.exit_code == 0, result.output
         out[method] = (root / method, json.loads(result.output[result.output.index("{") :]))
@@ -108,8 +118,13 @@ def test_every_data_phase_leaves_its_files(heads):
     work = heads["eagle"][0].parent / "work"
     instructions = [json.loads(line) for line in (work / "answers-instructions.jsonl").read_text().splitlines()]
     assert len(instructions) == 16 and all(r["answer_ids"] for r in instructions)
-    for name in ("answers", "answers-instructions", "code", "dialogues"):
+    for name in ("answers", "answers-instructions", "code", "dialogues", "teacher-magpie-00000"):
         assert (work / f"features-{name}.npz").is_file()
+    magpie = np.load(work / "features-teacher-magpie-00000.npz")
+    requests = (work / "generated" / "requests-magpie.jsonl").read_text().splitlines()
+    assert len(magpie["starts"]) - 1 == len(requests) == 8  # each request answered
+    assert magpie["features"].shape[0] == magpie["starts"][-1]
+    assert (work / "eval" / "features-teacher-mtbench-00000.npz").is_file()
 
 
 def test_training_writes_the_layouts_and_learns(heads):
@@ -119,6 +134,8 @@ def test_training_writes_the_layouts_and_learns(heads):
     assert (eagle_dir / "config.json").is_file() and (eagle_dir / "model.safetensors").is_file()
     assert (medusa_dir / "config.json").is_file()
     assert len(eagle_log["epochs"]) == 8 and eagle_log["epochs"][-1]["held_out_chain_accuracy"][0] > 0.2
+    assert all(len(e["chain_accuracy"]["mt_bench"]) == 3 for e in eagle_log["epochs"])  # the MT-bench curve
+    assert "chain_accuracy" not in medusa_log["epochs"][-1]  # --eval-mt-bench 0
     assert medusa_log["epochs"][-1]["held_out_chain_accuracy"][0] > 0.2
 
 

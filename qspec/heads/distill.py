@@ -4,8 +4,13 @@
 
     chit-chat prompts ──► answers.jsonl ──────────────┐
     instructions ──► answers-instructions.jsonl ──────┤ (the package's greedy answers)
-    code (standard-library functions, teacher-forced) ┼─► features-*.npz ──► train ──► head folder
-    dialogues (teacher-forced chit-chat) ─────────────┘   (the package's hidden states)
+    code (standard-library functions, teacher-forced) ┤
+    dialogues (teacher-forced chit-chat) ─────────────┼─► features-*.npz ──► train ──► head folder
+    Magpie requests the model writes, answered ───────┘   (the package's hidden states)
+    MT-bench first turns, answered ──► eval/features-*.npz (evaluation only: the learning curve)
+
+The Magpie requests and the MT-bench answers come from the EAGLE-3 data phases
+(:func:`qspec.heads.eagle3_distill.data_phases`: the source model in torch, batched and KV-cached).
 
 Every phase writes its output into ``work_dir`` and is skipped when that output is there, so a stopped
 run resumes; training resumes from its last epoch. The package must have the ``hidden_states`` output
@@ -40,6 +45,8 @@ class DistillOptions(FrozenModel):
     # who writes the answers: the package (one slot, its exact greedy text) or the model it was compiled from
     # (batched in PyTorch, several times faster on the CPU; features and labels still come from the package)
     answer_with: Literal["package", "source"] = "package"
+    magpie: int = Field(default=0, ge=0)  # requests the model writes itself (Magpie), answered by the source model
+    eval_mt_bench: int = Field(default=0, ge=0, le=80)  # MT-bench first turns answered into eval/ (never trained)
     seed: int = 0
 
 
@@ -108,11 +115,58 @@ def distill_head(
     if data.dialogues:
         records = dialogue_records(data.dialogues, tokenizer, skip=data.seed * data.dialogues)
         features.append(_features(package, records, work_dir / "features-dialogues.npz", say))
+    evals: dict[str, list[Path]] = {}
+    if data.magpie or data.eval_mt_bench:
+        magpie, evals["mt_bench"] = _generated(package, model, tokenizer, work_dir, data, say)
+        features += magpie
     if not features:
-        raise ConfigError("no training data: give --prompts, --instructions, --code or --dialogues above 0")
+        raise ConfigError("no training data: give --prompts, --instructions, --magpie, --code or --dialogues above 0")
     from qspec.heads.train import train_head
 
-    return train_head(features, model, output, train, state_dir=work_dir, progress=say)
+    return train_head(
+        features, model, output, train, state_dir=work_dir, progress=say, evals={k: v for k, v in evals.items() if v}
+    )
+
+
+def _generated(
+    package: Path, model, tokenizer, work_dir: Path, data: DistillOptions, say: Progress
+) -> tuple[list[Path], list[Path]]:
+    """(training, evaluation) features files: Magpie requests and MT-bench first turns answered by the source model
+    (the EAGLE-3 data phases' shards, in ``work_dir/generated``), then the package's features of those tokens."""
+    from qspec.heads.eagle3_distill import Eagle3DataOptions, data_phases
+
+    options = Eagle3DataOptions(  # the shards' taps go unused: an EAGLE-1 head reads the package's final-norm features
+        taps=(0, 0, 0),
+        magpie=data.magpie,
+        prompts=0,
+        instructions=0,
+        max_new_tokens=data.max_new_tokens,
+        eval_mt_bench=data.eval_mt_bench,
+        seed=data.seed,
+    )
+    shards = data_phases(model, tokenizer, work_dir / "generated", options, say)
+    train = [_shard_features(package, shard, work_dir / f"features-{shard.stem}.npz", say) for shard in shards["train"]]
+    evals = [
+        _shard_features(package, shard, work_dir / "eval" / f"features-{shard.stem}.npz", say)
+        for shard in shards["mtbench"]
+    ]
+    return train, evals
+
+
+def _shard_features(package: Path, shard: Path, path: Path, say: Progress) -> Path:
+    """The package's features of a teacher shard's records (their prompt and answer tokens)."""
+    import numpy as np
+
+    if path.is_file():
+        return path
+    data = np.load(shard)
+    tokens, starts, answers = data["tokens"].tolist(), data["starts"].tolist(), data["answer_starts"].tolist()
+    records = [
+        {"prompt_ids": tokens[lo:answer], "answer_ids": tokens[answer:hi]}
+        for lo, hi, answer in zip(starts[:-1], starts[1:], answers)
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return _features(package, records, path, say)
 
 
 def _answered(
