@@ -133,7 +133,8 @@ def test_runtime_graph_runs_softmax_top_k_experts_as_the_moe_operator(built, fam
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_qaic_backend_writes_its_files(built, family):
-    """--backend qaic through the stand-in compiler: custom IO for every layer's KV, the QPC, the head's program."""
+    """--backend qaic through the stand-in compiler: custom IO for every layer's KV (DeepSeek-V3's compressed
+    latent cache by QEfficient's names), the QPC, the head's program."""
     from qspec.package import read_manifest
 
     _, packages = built(family)
@@ -141,8 +142,11 @@ def test_qaic_backend_writes_its_files(built, family):
     manifest = read_manifest(package)
     assert manifest.qaic is not None and manifest.qaic.ran
     custom_io = (package / "custom_io.yaml").read_text()
-    for i in range(manifest.model.num_layers):
-        assert f"IOName: past_key.{i}\n" in custom_io and f"IOName: past_value.{i}_RetainedState\n" in custom_io
+    for name in manifest.model.kv_names():  # DeepSeek-V3: compressed_kv.{i}, k_pe.{i} (QEfficient's names)
+        assert f"IOName: {name}\n" in custom_io and f"IOName: {name}_RetainedState\n" in custom_io
+    if family == "deepseek_v3":
+        assert "IOName: compressed_kv.1\n" in custom_io and "IOName: k_pe.1_RetainedState\n" in custom_io
+        assert "past_key" not in custom_io
     assert (package / "head" / "qpc" / "programqpc.bin").is_file()
 
 

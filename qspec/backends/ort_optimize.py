@@ -75,8 +75,10 @@ from qspec.package import (
 Progress = Callable[[str], None]
 
 # Bump when the recipe below changes: cached runtime graphs are keyed by it (and packages, whose draft
-# head graph is built with it: 28, the head's call plan; 31, the MoE operator; 32, tree attention).
-RECIPE_VERSION = 32
+# head graph is built with it: 28, the head's call plan; 31, the MoE operator; 32, tree attention; 33, a
+# one-token call of a graph with its attention as exported runs one padding token more).
+RECIPE_VERSION = 33
+ONE_MORE_TOKEN = "one_more_token"  # RuntimeGraph.fusions key: ort_tokens.pad_one_more_token
 GRAPH_META = "graph.json"
 
 
@@ -260,6 +262,13 @@ def optimize_graph(
         if tree:
             fusions[TREE_ATTENTION] = 1
         drop_unused_functions(model)  # the KV's CtxScatter/CtxGather: attention no longer calls them
+    elif not lone_query and not set(contract.TREE_INPUTS) & {value.name for value in model.graph.inputs}:
+        # attention as exported (DeepSeek-V3's MLA, Gemma 3): no MatMul on a lone row (a graph with the vendor
+        # graph's tree inputs, [batch, seq, ...] each, keeps its one-token calls as they are)
+        from qspec.backends.ort_tokens import pad_one_more_token
+
+        pad_one_more_token(model.graph)
+        fusions[ONE_MORE_TOKEN] = 1
     if moe is not None:
         say(
             "fusing mixture-of-experts blocks (MoE)"
