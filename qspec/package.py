@@ -164,7 +164,9 @@ class RuntimeGraph(BaseModel):
     symmetric: bool | None = None  # quantized blocks: a scale only (True) or a scale and a zero point
     # GGUF type -> MatMul weights (and tables) whose blocks were carried over from the GGUF source as they are
     gguf_blocks: dict[str, int] = Field(default_factory=dict)
-    weight_bytes: int  # initializer bytes every call reads (embedding tables excluded)
+    # initializer bytes a one-token call reads (embedding tables excluded; of a MoE operator's experts, the top-k a
+    # token is routed to: k=2 of 8 experts counts 2/8 of them; qspec.backends.ort_optimize.streamed_weight_bytes)
+    weight_bytes: int
     # Set when attention is ONNX Runtime's GroupQueryAttention (qspec.backends.ort_attention): the rows of
     # its RoPE table, positions below it.
     rope_positions: int | None = None

@@ -76,7 +76,8 @@ Progress = Callable[[str], None]
 
 # Bump when the recipe below changes: cached runtime graphs are keyed by it (and packages, whose draft
 # head graph is built with it: 28, the head's call plan; 31, the MoE operator; 32, tree attention; 33, a
-# one-token call of a graph with its attention as exported runs one padding token more).
+# one-token call of a graph with its attention as exported runs one padding token more; weight_bytes counts the
+# routed experts a token reads).
 RECIPE_VERSION = 33
 ONE_MORE_TOKEN = "one_more_token"  # RuntimeGraph.fusions key: ort_tokens.pad_one_more_token
 GRAPH_META = "graph.json"
@@ -179,21 +180,35 @@ def materialize_transposed_weights(model) -> int:
 
 
 def streamed_weight_bytes(path: Path) -> int:
-    """Bytes of the initializers every call reads: all but tables that are only indexed (the embedding's
-    ``Gather``, the RoPE tables of ``GroupQueryAttention``: a call reads the rows of its positions)."""
+    """Bytes of the initializers a one-token call reads: all but tables that are only indexed (the embedding's
+    ``Gather``, the RoPE tables of ``GroupQueryAttention``: a call reads the rows of its positions), and of the
+    experts of a ``MoE`` / ``QMoE`` node only the ``k`` a token is routed to.
+
+    Example: a ``MoE`` node with ``k=2`` over 8 experts whose ``fc1`` and ``fc2`` hold 64 MB together counts
+    16 MB (2/8 of them), what one token reads. A call of ``T`` tokens reads up to ``min(8, 2 T)`` experts (a
+    K=4 verify, 5 tokens: all 8 if they route apart), so this is the one-token call's floor, the bound's
+    numerator; the static form of the experts (two MatMuls over all of them) reads them all and counts whole.
+    """
     import onnx
 
     proto = onnx.load(str(path), load_external_data=False)
     lookups = {"Gather", "GatherBlockQuantized", "GroupQueryAttention", "Reshape"}  # Reshape: a table's blocks
     users: dict[str, set[str]] = collections.defaultdict(set)
+    routed: dict[str, int] = {}  # expert initializer -> experts a token reads (the MoE node's k)
     for node in proto.graph.node:
         for name in node.input:
             users[name].add(node.op_type)
+        if node.domain == "com.microsoft" and node.op_type in ("MoE", "QMoE"):
+            k = next((a.i for a in node.attribute if a.name == "k"), 1)
+            routed |= {name: k for name in node.input[2:] if name}
     total = 0
     for tensor in proto.graph.initializer:
         if users[tensor.name] and users[tensor.name] <= lookups:
             continue
-        total += _tensor_bytes(tensor)
+        size = _tensor_bytes(tensor)
+        if tensor.name in routed and users[tensor.name] <= {"MoE", "QMoE"}:
+            size = size * routed[tensor.name] // tensor.dims[0]  # [experts, ...]: k of them per token
+        total += size
     return total
 
 
