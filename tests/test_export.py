@@ -59,8 +59,9 @@ def runtime_graph(folder, meta, graph: str = "vendor"):
         lone_query=graph == "ort-lone",
         moe=meta.model.moe,
     )
-    # it reads the export's weights (all of them when attention is not fused): put it beside them
-    assert ONNX_FILE + ".data" in (runtime.vendor_data_file, runtime.data_file)
+    # it reads the export's weights (all of them when attention is not fused; none in fp32 with the MoE operator,
+    # which holds its own): put it beside them
+    assert ONNX_FILE + ".data" in (runtime.vendor_data_file, runtime.data_file) or runtime.fusions.get("own_weights")
     target = folder / runtime.file
     for name in {runtime.file, runtime.data_file} - {ONNX_FILE + ".data"}:
         shutil.copyfile(graph_dir / name, folder / name)
