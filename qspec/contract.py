@@ -56,14 +56,28 @@ def past_value(layer: int) -> str:
     return f"past_value.{layer}"
 
 
+def latent_kv(layer: int) -> str:
+    """Input name of layer ``layer``'s latent buffer in a multi-head latent attention cache (DeepSeek-V3, as
+    QEfficient's ``cache_compressed`` names it): ``compressed_kv.{i}`` ``[rows, 1, ctx_len, kv_lora_rank]``."""
+    return f"compressed_kv.{layer}"
+
+
+def rope_key(layer: int) -> str:
+    """Input name of layer ``layer``'s rotated shared key buffer beside :func:`latent_kv`: ``k_pe.{i}``
+    ``[rows, 1, ctx_len, qk_rope_head_dim]``."""
+    return f"k_pe.{layer}"
+
+
 def retained(name: str) -> str:
     """Output name that carries the updated buffer of input ``name``."""
     return name + RETAINED_STATE_SUFFIX
 
 
-def kv_names(num_layers: int) -> list[str]:
-    """All KV input names in graph order: ``past_key.0, past_value.0, past_key.1, ...``."""
-    return [name for i in range(num_layers) for name in (past_key(i), past_value(i))]
+def kv_names(num_layers: int, *, latent: bool = False) -> list[str]:
+    """All KV input names in graph order: ``past_key.0, past_value.0, past_key.1, ...``; with ``latent`` (a
+    multi-head latent attention cache) ``compressed_kv.0, k_pe.0, compressed_kv.1, ...``."""
+    pair = (latent_kv, rope_key) if latent else (past_key, past_value)
+    return [name(i) for i in range(num_layers) for name in pair]
 
 
 def input_names(
@@ -73,6 +87,7 @@ def input_names(
     speculative: bool,
     comp_ctx_lengths: bool = False,
     tree_inputs: bool = False,
+    latent: bool = False,
 ) -> list[str]:
     """Graph input names, in order, for a graph with these options."""
     names = [INPUT_IDS, POSITION_IDS]
@@ -84,9 +99,10 @@ def input_names(
         names.append(COMP_CTX_LENGTHS)
     if tree_inputs:
         names.extend(TREE_INPUTS)
-    return names + kv_names(num_layers)
+    return names + kv_names(num_layers, latent=latent)
 
 
-def output_names(num_layers: int, *, hidden_states: bool = False) -> list[str]:
+def output_names(num_layers: int, *, hidden_states: bool = False, latent: bool = False) -> list[str]:
     """Graph output names, in order: logits, [hidden_states], then every KV buffer's retained state."""
-    return [LOGITS] + ([HIDDEN_STATES] if hidden_states else []) + [retained(name) for name in kv_names(num_layers)]
+    kv = kv_names(num_layers, latent=latent)
+    return [LOGITS] + ([HIDDEN_STATES] if hidden_states else []) + [retained(name) for name in kv]

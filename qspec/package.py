@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from qspec import contract
 from qspec.backend_records import QaicResult
 from qspec.common import with_umask
 from qspec.errors import PackageError
@@ -98,6 +99,9 @@ class ModelInfo(BaseModel):
     head_dim: int
     vocab_size: int
     value_head_dim: int | None = None  # the value buffers' width when it is not head_dim (DeepSeek's MLA)
+    # "heads": past_key.{i} / past_value.{i} per KV head; "latent": DeepSeek's MLA cache as QEfficient holds it,
+    # compressed_kv.{i} [rows, 1, ctx, kv_lora_rank] (head_dim) and k_pe.{i} [rows, 1, ctx, rope] (value_head_dim)
+    kv_layout: Literal["heads", "latent"] = "heads"
     kv_dtype: str = "float32"
     eos_token_ids: list[int]
     speculative_config: dict = Field(default_factory=dict)  # the model config's own speculative fields
@@ -105,8 +109,16 @@ class ModelInfo(BaseModel):
     moe: MoEInfo | None = None  # softmax top-k MoE blocks (Mixtral, Qwen3-MoE); None: none, or another routing
 
     def kv_widths(self) -> list[int]:
-        """The last dimension of each KV buffer, in :func:`qspec.contract.kv_names` order (key, value per layer)."""
+        """The last dimension of each KV buffer, in :meth:`kv_names` order (key, value per layer)."""
         return [self.head_dim, self.value_head_dim or self.head_dim] * self.num_layers
+
+    def kv_names(self) -> list[str]:
+        """The KV buffers' input names (:func:`qspec.contract.kv_names` of this model's layout).
+
+        Example, 2 layers: ``past_key.0, past_value.0, past_key.1, past_value.1``; DeepSeek-V3's latent cache
+        ``compressed_kv.0, k_pe.0, compressed_kv.1, k_pe.1``.
+        """
+        return contract.kv_names(self.num_layers, latent=self.kv_layout == "latent")
 
 
 class ModelEntry(ModelInfo):
@@ -152,7 +164,9 @@ class RuntimeGraph(BaseModel):
     symmetric: bool | None = None  # quantized blocks: a scale only (True) or a scale and a zero point
     # GGUF type -> MatMul weights (and tables) whose blocks were carried over from the GGUF source as they are
     gguf_blocks: dict[str, int] = Field(default_factory=dict)
-    weight_bytes: int  # initializer bytes every call reads (embedding tables excluded)
+    # initializer bytes a one-token call reads (embedding tables excluded; of a MoE operator's experts, the top-k a
+    # token is routed to: k=2 of 8 experts counts 2/8 of them; qspec.backends.ort_optimize.streamed_weight_bytes)
+    weight_bytes: int
     # Set when attention is ONNX Runtime's GroupQueryAttention (qspec.backends.ort_attention): the rows of
     # its RoPE table, positions below it.
     rope_positions: int | None = None

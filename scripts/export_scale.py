@@ -165,7 +165,7 @@ def cut(folder: Path, out: Path, ids: list[int]) -> None:
     info = meta.model
     session = ort.InferenceSession(str(export / ONNX_FILE), providers=["CPUExecutionProvider"])
     shape = (1, info.num_kv_heads, PARITY_CTX, info.head_dim)
-    feeds = {name: np.zeros(shape, np.float32) for name in contract.kv_names(info.num_layers)}
+    feeds = {name: np.zeros(shape, np.float32) for name in info.kv_names()}
     feeds[contract.INPUT_IDS] = np.array([ids], np.int64)
     feeds[contract.POSITION_IDS] = np.arange(len(ids), dtype=np.int64)[None]
     feeds[contract.NUM_LOGITS_TO_KEEP] = np.zeros((len(ids), 1), np.int64)

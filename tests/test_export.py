@@ -59,8 +59,9 @@ def runtime_graph(folder, meta, graph: str = "vendor"):
         lone_query=graph == "ort-lone",
         moe=meta.model.moe,
     )
-    # it reads the export's weights (all of them when attention is not fused): put it beside them
-    assert ONNX_FILE + ".data" in (runtime.vendor_data_file, runtime.data_file)
+    # it reads the export's weights (all of them when attention is not fused; none in fp32 with the MoE operator,
+    # which holds its own): put it beside them
+    assert ONNX_FILE + ".data" in (runtime.vendor_data_file, runtime.data_file) or runtime.fusions.get("own_weights")
     target = folder / runtime.file
     for name in {runtime.file, runtime.data_file} - {ONNX_FILE + ".data"}:
         shutil.copyfile(graph_dir / name, folder / name)
@@ -80,7 +81,7 @@ class Graph:
         info = meta.model
         kv_len = ctx + (runtime.kv_slack(ctx) if runtime is not None else 0)
         shape = (rows, info.num_kv_heads, kv_len)
-        names = contract.kv_names(info.num_layers)
+        names = info.kv_names()
         self.kv = {name: np.zeros((*shape, width), np.float32) for name, width in zip(names, info.kv_widths())}
         self._bound = {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in self.kv.items()}
         self.speculative = meta.options.speculative
@@ -176,11 +177,12 @@ def test_parity_prefill_decode_and_rejected_draft(exported, family, tie, graph_k
 
 
 @pytest.mark.parametrize(
-    "family,graph_kind", [(f, g) for f in ["llama", "mistral", "gemma2", "gemma3_text"] for g in row_graphs(f)]
+    "family,graph_kind",
+    [(f, g) for f in ["llama", "mistral", "gemma2", "gemma3_text", "deepseek_v3"] for g in row_graphs(f)],
 )
 def test_decode_reaches_last_slot(exported, family, graph_kind):
     """Decoding until the token at slot ctx_len - 1 keeps parity (mistral, gemma2, gemma3_text: window 6 < ctx;
-    Gemma's on one layer of two)."""
+    Gemma's on one layer of two; deepseek_v3: its compressed latent cache)."""
     model_dir, folder, meta = exported(family)
     tokens = np.random.default_rng(2).integers(3, 259, size=CTX).tolist()
     graph = Graph(folder, meta, rows=1, graph=graph_kind)
@@ -190,10 +192,11 @@ def test_decode_reaches_last_slot(exported, family, graph_kind):
     np.testing.assert_allclose(np.stack(outs), ref[12:CTX], atol=TOL)  # last one is slot 15 = ctx_len - 1
 
 
-@pytest.mark.parametrize("graph_kind", ROW_GRAPHS)
-def test_padding_rows_never_touch_live_slots(exported, graph_kind):
-    """A fully padded row and a padded tail change no slot a live token can see, in any row."""
-    model_dir, folder, meta = exported("llama")
+@pytest.mark.parametrize("family,graph_kind", [(f, g) for f in ["llama", "deepseek_v3"] for g in row_graphs(f)])
+def test_padding_rows_never_touch_live_slots(exported, family, graph_kind):
+    """A fully padded row and a padded tail change no slot a live token can see, in any row (batch 2; DeepSeek-V3:
+    its compressed latent cache)."""
+    model_dir, folder, meta = exported(family)
     rng = np.random.default_rng(3)
     a, b = rng.integers(3, 259, size=(2, 6)).tolist()
     graph = Graph(folder, meta, rows=2, graph=graph_kind)
@@ -210,10 +213,49 @@ def test_padding_rows_never_touch_live_slots(exported, graph_kind):
     np.testing.assert_allclose(out[1, 0], reference_logits(model_dir, b[:5])[4], atol=TOL)
 
 
-@pytest.mark.parametrize("graph_kind", ROW_GRAPHS)
-def test_padding_at_last_slot_stays_inside_buffer(exported, graph_kind):
+@pytest.mark.parametrize("graph_kind", GRAPHS)
+def test_deepseek_caches_the_compressed_latent_and_equals_the_expanded_cache(exported, graph_kind):
+    """DeepSeek-V3's graph caches ``compressed_kv.{i}`` [batch, 1, ctx, kv_lora_rank 24] and ``k_pe.{i}``
+    [batch, 1, ctx, rope 16] (QEfficient's cache_compressed), 40 floats per token and layer where the expanded
+    cache (``latent_cache=False``: ``past_key.{i}`` / ``past_value.{i}`` of 4 heads, 32 + 16 wide) holds 192; a
+    prefill, a K=4 verify and a decode over its stale slots give the expanded export's logits within 1e-4."""
+    model_dir, folder, meta = exported("deepseek_v3")
+    _, wide_folder, wide = exported("deepseek_v3", latent_cache=False)
+    dims = graph_dims(graph_path(folder, meta, graph_kind))
+    for i in range(meta.model.num_layers):
+        assert dims[contract.latent_kv(i)] == [contract.BATCH_SIZE, 1, contract.CTX_LEN, 24]
+        assert dims[contract.retained(contract.rope_key(i))] == [contract.BATCH_SIZE, 1, contract.CTX_LEN, 16]
+    assert not any(name.startswith("past_") for name in dims)
+    per_token = [sum(w * m.num_kv_heads for w in m.kv_widths()[:2]) for m in (meta.model, wide.model)]
+    assert per_token == [40, 192]
+    tokens = np.random.default_rng(12).integers(3, 259, size=12).tolist()
+    graphs = [Graph(f, m, rows=1, graph=graph_kind) for f, m in ((folder, meta), (wide_folder, wide))]
+    calls = [([tokens[:6]], [list(range(6))], 1), ([tokens[6:11]], [[6, 7, 8, 9, 10]], 5), ([tokens[11:]], [[8]], 1)]
+    for ids, pos, keep in calls:
+        compressed, expanded = (graph.run(ids, pos, keep=keep) for graph in graphs)
+        np.testing.assert_allclose(compressed, expanded, atol=TOL)
+    np.testing.assert_allclose(compressed[0, 0], reference_logits(model_dir, tokens[:8] + tokens[11:])[8], atol=TOL)
+
+
+def test_unfused_runtime_graph_rounds_a_lone_token_as_among_several(exported):
+    """DeepSeek-V3's runtime graph (attention as exported) runs a one-token call with one padding token more, so
+    its logits and KV are bit-equal to the same token's in a 3-token verify call (ONNX Runtime's MatMul rounds a
+    lone row otherwise, ~2e-6 apart on this model): speculative greedy output stays plain greedy output."""
+    model_dir, folder, meta = exported("deepseek_v3")
+    tokens = np.random.default_rng(13).integers(3, 259, size=9).tolist()
+    alone, among = Graph(folder, meta, rows=1, graph="ort"), Graph(folder, meta, rows=1, graph="ort")
+    for graph in (alone, among):
+        graph.run([tokens[:6]], [list(range(6))], keep=1)
+    one = alone.run([[tokens[6]]], [[6]], keep=1)[0, 0]
+    np.testing.assert_array_equal(one, among.run([tokens[6:9]], [[6, 7, 8]], keep=3)[0, 0])
+    for name in meta.model.kv_names():
+        np.testing.assert_array_equal(alone.kv[name][:, :, :7], among.kv[name][:, :, :7])
+
+
+@pytest.mark.parametrize("family,graph_kind", [(f, g) for f in ["llama", "deepseek_v3"] for g in row_graphs(f)])
+def test_padding_at_last_slot_stays_inside_buffer(exported, family, graph_kind):
     """A live token on slot ctx_len - 1 followed by padding writes nothing out of range or over history."""
-    model_dir, folder, meta = exported("llama")
+    model_dir, folder, meta = exported(family)
     tokens = np.random.default_rng(4).integers(3, 259, size=CTX).tolist()
     graph = Graph(folder, meta, rows=1, graph=graph_kind)
     graph.run([tokens[:15]], [list(range(15))], keep=1)

@@ -105,7 +105,8 @@ def test_quantized_runtime_graph_keeps_greedy_output(built, family, fmt):
 def test_runtime_graph_runs_softmax_top_k_experts_as_the_moe_operator(built, family, fmt):
     """Mixtral's and Qwen3-MoE's every MoE layer is one ``com.microsoft.MoE`` node in the fp32 runtime graph, one
     ``QMoE`` in int8/int4, and no TopK of the static form is left; DeepSeek-V3's group-limited routing keeps the
-    static form (its TopKs). The vendor graph (the qaic package's) keeps the static form. Greedy output: the tests
+    static form (its TopKs). The vendor graph (the qaic package's) keeps the static form. The fp32 package holds
+    each expert once (the runtime graph's own data file, no vendor data beside it). Greedy output: the tests
     above."""
     import onnx
 
@@ -129,11 +130,16 @@ def test_runtime_graph_runs_softmax_top_k_experts_as_the_moe_operator(built, fam
     assert graph.fusions["moe"] == len(layers) and ops.count(op) == len(layers) and "TopK" not in ops
     vendor = op_types(packages["qaic"] / ONNX_FILE)
     assert "MoE" not in vendor and vendor.count("TopK") == len(layers)
+    if fmt == "fp32":  # its own data file holds every weight it reads, each expert once: no vendor data shipped
+        assert graph.vendor_data_file is None and not (packages[fmt] / (ONNX_FILE + ".data")).exists()
+        vendor_bytes = (packages["qaic"] / (ONNX_FILE + ".data")).stat().st_size
+        assert (packages[fmt] / graph.data_file).stat().st_size < 1.1 * vendor_bytes
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_qaic_backend_writes_its_files(built, family):
-    """--backend qaic through the stand-in compiler: custom IO for every layer's KV, the QPC, the head's program."""
+    """--backend qaic through the stand-in compiler: custom IO for every layer's KV (DeepSeek-V3's compressed
+    latent cache by QEfficient's names), the QPC, the head's program."""
     from qspec.package import read_manifest
 
     _, packages = built(family)
@@ -141,8 +147,11 @@ def test_qaic_backend_writes_its_files(built, family):
     manifest = read_manifest(package)
     assert manifest.qaic is not None and manifest.qaic.ran
     custom_io = (package / "custom_io.yaml").read_text()
-    for i in range(manifest.model.num_layers):
-        assert f"IOName: past_key.{i}\n" in custom_io and f"IOName: past_value.{i}_RetainedState\n" in custom_io
+    for name in manifest.model.kv_names():  # DeepSeek-V3: compressed_kv.{i}, k_pe.{i} (QEfficient's names)
+        assert f"IOName: {name}\n" in custom_io and f"IOName: {name}_RetainedState\n" in custom_io
+    if family == "deepseek_v3":
+        assert "IOName: compressed_kv.1\n" in custom_io and "IOName: k_pe.1_RetainedState\n" in custom_io
+        assert "past_key" not in custom_io
     assert (package / "head" / "qpc" / "programqpc.bin").is_file()
 
 

@@ -168,3 +168,35 @@ def test_asymmetric_quantization_keeps_the_static_form(tmp_path):
     static = static_graph(block, tmp_path / "static.onnx")
     path, count = fused(static, tmp_path / "kept.onnx", True, bits=4, settings=(32, 0, False))
     assert count == 0 and "QMoE" not in op_types(path) and "TopK" in op_types(path)
+
+
+def test_weight_bytes_count_the_routed_experts_a_token_reads(tmp_path):
+    """A graph's weight bytes (the bandwidth floor's numerator) count a ``MoE`` node's experts as the ``k`` of
+    them a token reads: top-2 of 4 experts holding 4,096 + 2,048 bytes count 3,072; a MatMul weight counts whole;
+    the embedding table (only gathered) not at all."""
+    import onnx
+    from onnx import TensorProto as T
+    from onnx import helper as h
+    from onnx import numpy_helper
+
+    from qspec.backends.ort_optimize import streamed_weight_bytes
+
+    def weight(name, *shape):
+        return numpy_helper.from_array(np.zeros(shape, np.float32), name)
+
+    inits = [weight("embed", 10, 8), weight("w", 8, 8), weight("fc1", 4, 32, 8), weight("fc2", 4, 8, 16)]
+    nodes = [
+        h.make_node("Gather", ["embed", "ids"], ["x"]),
+        h.make_node("MatMul", ["x", "w"], ["logits"]),
+        h.make_node("MoE", ["x", "logits", "fc1", "", "fc2"], ["y"], domain="com.microsoft", k=2),
+    ]
+    graph = h.make_graph(
+        nodes,
+        "g",
+        [h.make_tensor_value_info("ids", T.INT64, [1])],
+        [h.make_tensor_value_info("y", T.FLOAT, None)],
+        initializer=inits,
+    )
+    path = tmp_path / "moe.onnx"
+    onnx.save(h.make_model(graph, opset_imports=[h.make_opsetid("", 18), h.make_opsetid("com.microsoft", 1)]), path)
+    assert streamed_weight_bytes(path) == 8 * 8 * 4 + (4 * 32 * 8 + 4 * 8 * 16) * 4 * 2 // 4

@@ -75,8 +75,12 @@ from qspec.package import (
 Progress = Callable[[str], None]
 
 # Bump when the recipe below changes: cached runtime graphs are keyed by it (and packages, whose draft
-# head graph is built with it: 28, the head's call plan; 31, the MoE operator; 32, tree attention).
-RECIPE_VERSION = 32
+# head graph is built with it: 28, the head's call plan; 31, the MoE operator; 32, tree attention; 33, a
+# one-token call of a graph with its attention as exported runs one padding token more; weight_bytes counts the
+# routed experts a token reads; an fp32 graph with the MoE operator holds all its weights in its own data file).
+RECIPE_VERSION = 33
+ONE_MORE_TOKEN = "one_more_token"  # RuntimeGraph.fusions key: ort_tokens.pad_one_more_token
+OWN_WEIGHTS = "own_weights"  # RuntimeGraph.fusions key: own_source_weights (fp32 with the MoE operator)
 GRAPH_META = "graph.json"
 
 
@@ -177,21 +181,35 @@ def materialize_transposed_weights(model) -> int:
 
 
 def streamed_weight_bytes(path: Path) -> int:
-    """Bytes of the initializers every call reads: all but tables that are only indexed (the embedding's
-    ``Gather``, the RoPE tables of ``GroupQueryAttention``: a call reads the rows of its positions)."""
+    """Bytes of the initializers a one-token call reads: all but tables that are only indexed (the embedding's
+    ``Gather``, the RoPE tables of ``GroupQueryAttention``: a call reads the rows of its positions), and of the
+    experts of a ``MoE`` / ``QMoE`` node only the ``k`` a token is routed to.
+
+    Example: a ``MoE`` node with ``k=2`` over 8 experts whose ``fc1`` and ``fc2`` hold 64 MB together counts
+    16 MB (2/8 of them), what one token reads. A call of ``T`` tokens reads up to ``min(8, 2 T)`` experts (a
+    K=4 verify, 5 tokens: all 8 if they route apart), so this is the one-token call's floor, the bound's
+    numerator; the static form of the experts (two MatMuls over all of them) reads them all and counts whole.
+    """
     import onnx
 
     proto = onnx.load(str(path), load_external_data=False)
     lookups = {"Gather", "GatherBlockQuantized", "GroupQueryAttention", "Reshape"}  # Reshape: a table's blocks
     users: dict[str, set[str]] = collections.defaultdict(set)
+    routed: dict[str, int] = {}  # expert initializer -> experts a token reads (the MoE node's k)
     for node in proto.graph.node:
         for name in node.input:
             users[name].add(node.op_type)
+        if node.domain == "com.microsoft" and node.op_type in ("MoE", "QMoE"):
+            k = next((a.i for a in node.attribute if a.name == "k"), 1)
+            routed |= {name: k for name in node.input[2:] if name}
     total = 0
     for tensor in proto.graph.initializer:
         if users[tensor.name] and users[tensor.name] <= lookups:
             continue
-        total += _tensor_bytes(tensor)
+        size = _tensor_bytes(tensor)
+        if tensor.name in routed and users[tensor.name] <= {"MoE", "QMoE"}:
+            size = size * routed[tensor.name] // tensor.dims[0]  # [experts, ...]: k of them per token
+        total += size
     return total
 
 
@@ -260,6 +278,13 @@ def optimize_graph(
         if tree:
             fusions[TREE_ATTENTION] = 1
         drop_unused_functions(model)  # the KV's CtxScatter/CtxGather: attention no longer calls them
+    elif not lone_query and not set(contract.TREE_INPUTS) & {value.name for value in model.graph.inputs}:
+        # attention as exported (DeepSeek-V3's MLA, Gemma 3): no MatMul on a lone row (a graph with the vendor
+        # graph's tree inputs, [batch, seq, ...] each, keeps its one-token calls as they are)
+        from qspec.backends.ort_tokens import pad_one_more_token
+
+        pad_one_more_token(model.graph)
+        fusions[ONE_MORE_TOKEN] = 1
     if moe is not None:
         say(
             "fusing mixture-of-experts blocks (MoE)"
@@ -270,6 +295,8 @@ def optimize_graph(
     quantized, carried = 0, {}
     own_data, vendor_data = target.with_name(target.name + ".data"), source.name + ".data"
     if bits is None:
+        if fusions.get(MOE_FUSION):  # the source's data holds the stacked experts a MoE node no longer reads
+            fusions[OWN_WEIGHTS] = own_source_weights(model)
         externalize_own_weights(model, own_data)  # the packed q/k/v and tables; the rest stays in the source's
     else:
         tied = tied_tables(model)
@@ -312,6 +339,32 @@ def optimize_graph(
         rope_positions=rope_positions if fusions.get("group_query_attention", 0) else None,
         seconds=round(time.perf_counter() - begin, 2),
     )
+
+
+def own_source_weights(model) -> int:
+    """Make every weight the graph reads from the source's data file its own (read when written), so the
+    graph's data file holds all its weights and a package need not ship the source's; returns how many.
+
+    An fp32 graph whose MoE blocks are ONNX Runtime's ``MoE`` operator reads the experts in the operator's
+    layout (its own data) and no longer the static form's stacked copy in the source's data file: shipping
+    that file beside its own would hold every expert twice (Mixtral, hidden 256, 2 layers, 4 experts: a
+    53.7 MB package, 27.5 MB without the source's file). The weights other than the experts are then copied
+    once, into the graph's own file.
+    """
+    import onnx_ir as ir
+
+    moved = 0
+    for value in model.graph.initializers.values():
+        tensor = value.const_value
+        if isinstance(tensor, ir.ExternalTensor):
+            value.const_value = ir.LazyTensor(
+                lambda t=tensor: ir.Tensor(t.numpy(), name=t.name),
+                dtype=tensor.dtype,
+                shape=tensor.shape,
+                name=tensor.name,
+            )
+            moved += 1
+    return moved
 
 
 def externalize_own_weights(model, data: Path) -> int:

@@ -175,3 +175,49 @@ def restore_hidden_states(graph, inputs, shared: dict, *, packed: bool, name: st
     out.name = name
     graph.outputs[index] = out
     graph.extend(nodes)
+
+
+def pad_one_more_token(graph) -> int:
+    """Every call of a graph whose attention stays as exported (DeepSeek-V3's MLA, Gemma 3) runs one padding
+    token more: ``input_ids`` 0 and ``position_ids`` ``PAD_POSITION`` appended to each row, and each per-token
+    output (``hidden_states``, taps) cut back to the call's ``seq_len``; returns how many outputs were cut.
+
+    ONNX Runtime's MatMul rounds a product of one row differently from the same row among several (MLAS sums
+    a lone row in another order); a one-token decode call would then round differently from the same token in
+    a verify call, and speculative greedy output would not be plain greedy output. With the padding token every
+    MatMul sees at least two rows. The contract makes the padding token harmless: it writes back the value its
+    slot holds and gets no logits. Example: a decode call ``[[t]]`` at ``[[9]]`` runs ``[[t, 0]]`` at
+    ``[[9, -1]]``; its logits and KV are those of ``[[t]]`` computed as two rows.
+    """
+    nodes = []
+    op, constant = builder(graph, nodes, "one_more")
+    ids = next(v for v in graph.inputs if v.name == contract.INPUT_IDS)
+    seq = op("Slice", op("Shape", ids), *(constant(n, np.array([v], np.int64)) for n, v in (("one", 1), ("two", 2))))
+    # [0, 0, 0, 1] for a one-token call, else zeros: a longer call has its rows already (and a chunk of
+    # ctx_len tokens has no free slot for one more)
+    lone = op("Cast", op("Equal", seq, constant("lone", np.array([1], np.int64))), to=7)  # int64
+    pads = op("Concat", constant("pads_begin", np.zeros(3, np.int64)), lone, axis=0)
+    for name, fill in ((contract.INPUT_IDS, 0), (contract.POSITION_IDS, contract.PAD_POSITION)):
+        value = next(v for v in graph.inputs if v.name == name)
+        uses = [(user, index) for user, index in value.uses() if user not in nodes]
+        padded = op("Pad", value, pads, constant(f"{name}_fill", np.array(fill, np.int64)))
+        for user, index in uses:
+            user.replace_input_with(index, padded)
+    graph.insert_before(graph[0], nodes)  # ahead of every user
+    per_token = [
+        (i, out)
+        for i, out in enumerate(graph.outputs)
+        if out.name == contract.HIDDEN_STATES or out.name.startswith("tap.")
+    ]
+    if per_token:
+        start, axis1 = constant("start", np.array([0], np.int64)), constant("axis1", np.array([1], np.int64))
+    for index, out in per_token:
+        tail = []
+        step, _ = builder(graph, tail, f"one_more.{out.name}")
+        sliced = step("Slice", out, start, seq, axis1)  # [batch, seq, width]: the padding token's row dropped
+        sliced.shape, sliced.type = out.shape, out.type
+        name, out.name, out.shape = out.name, f"one_more.padded_{out.name}", None
+        sliced.name = name
+        graph.outputs[index] = sliced
+        graph.extend(tail)
+    return len(per_token)

@@ -54,7 +54,7 @@ STDERR_TAIL_LINES = 20
 # --------------------------------------------------------------------------------------------
 
 
-def custom_io_yaml(num_layers: int, *, kv_dtype: str = "float16") -> str:
+def custom_io_yaml(num_layers: int, *, kv_dtype: str = "float16", latent: bool = False) -> str:
     """QEfficient's custom IO list: per layer, each KV input followed by its ``_RetainedState`` output.
 
     For one layer::
@@ -71,8 +71,10 @@ def custom_io_yaml(num_layers: int, *, kv_dtype: str = "float16") -> str:
          - IOName: past_value.0_RetainedState
            Precision: float16
 
+    With ``latent`` (DeepSeek-V3's compressed cache) the buffers are ``compressed_kv.{i}`` and ``k_pe.{i}``, as
+    QEfficient names them.
     """
-    names = [n for name in contract.kv_names(num_layers) for n in (name, contract.retained(name))]
+    names = [n for name in contract.kv_names(num_layers, latent=latent) for n in (name, contract.retained(name))]
     return "".join(f" - IOName: {name}\n   Precision: {kv_dtype}\n\n" for name in names)
 
 
@@ -280,6 +282,7 @@ def prepare_qaic(
     graph_dtype: GraphDtype = "float32",
     feature_outputs: tuple[str, ...] = (),
     run: bool | None = None,
+    latent: bool = False,
 ) -> QaicResult:
     """Write the vendor files and ``compile_qaic.sh`` into ``package_dir``; compile if possible.
 
@@ -302,7 +305,7 @@ def prepare_qaic(
         kv_dtype=options.kv_dtype,
     )
     features = "".join(f" - IOName: {name}\n   Precision: {options.io_float_dtype}\n\n" for name in feature_outputs)
-    custom_io = custom_io_yaml(num_layers, kv_dtype=precisions.kv_precision) + features
+    custom_io = custom_io_yaml(num_layers, kv_dtype=precisions.kv_precision, latent=latent) + features
     write_text_atomic(package_dir / CUSTOM_IO_FILE, custom_io)
     mdp_rel = _write_mdp(package_dir, options)
 

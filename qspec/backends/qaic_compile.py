@@ -104,6 +104,7 @@ class QaicBackend(CompileBackend):
             num_layers=exported.entry.num_layers,
             options=options.qaic,
             feature_outputs=(contract.HIDDEN_STATES,) if options.exports_hidden_states else (),
+            latent=exported.entry.kv_layout == "latent",
         )
         return {"qaic": result}
 

@@ -29,7 +29,7 @@ from qspec.common import build_directory
 from qspec.errors import ConfigError, QSpecError
 from qspec.export.graph import OPSET, ExportOptions, check_graph
 from qspec.export.loader import ModelSource, load_model, load_skeleton, materialize, resolve_source, source_digest
-from qspec.export.mla import is_latent, kv_dims
+from qspec.export.mla import cache_dims, expanded_dims, is_latent
 from qspec.export.moe import is_moe, moe_info, stack_experts
 from qspec.export.wrapper import adapter_for, attention_info
 
@@ -39,8 +39,9 @@ from qspec.package import ONNX_FILE, TOKENIZER_DIR, ModelInfo
 
 EXPORT_META = "export.json"
 # Bump when the exporter writes a different graph or meta for the same model and options: old exports are stale
-# (6: ModelInfo.moe, the MoE blocks the runtime graph runs as ONNX Runtime's MoE operator).
-EXPORT_FORMAT = 6
+# (6: ModelInfo.moe, the MoE blocks the runtime graph runs as ONNX Runtime's MoE operator; 7: DeepSeek-V3's
+# compressed latent cache, compressed_kv.{i} / k_pe.{i}, ModelInfo.kv_layout).
+EXPORT_FORMAT = 7
 
 Progress = Callable[[str], None]
 
@@ -212,12 +213,12 @@ def _export_into(folder: Path, source: ModelSource, digest: str, key: str, optio
     adapter_for(model.config)  # unsupported families fail before the slow part
     if options.num_layers is not None:
         _truncate_layers(model, options.num_layers)
-    info = _model_info(model, tokenizer)
+    info = _model_info(model, tokenizer, latent_cache=options.latent_cache)
     phases = {"load": round(time.perf_counter() - start, 2)}
     phases |= trace_to_onnx(model, folder / ONNX_FILE, options, info, say, checkpoint=checkpoint)
     say("checking the ONNX graph")
     begin = time.perf_counter()
-    check_graph(folder / ONNX_FILE, info.num_layers, options)
+    check_graph(folder / ONNX_FILE, info.num_layers, options, latent=info.kv_layout == "latent")
     say("saving the tokenizer")
     tokenizer.save_pretrained(folder / TOKENIZER_DIR)
     phases["check"] = round(time.perf_counter() - begin, 2)
@@ -249,7 +250,7 @@ def _truncate_layers(model, num_layers: int) -> None:
         model.config.layer_types = model.config.layer_types[:num_layers]
 
 
-def _model_info(model, tokenizer) -> ModelInfo:
+def _model_info(model, tokenizer, *, latent_cache: bool) -> ModelInfo:
     config = model.config
     attn = model.model.layers[0].self_attn
     eos = set()
@@ -257,13 +258,20 @@ def _model_info(model, tokenizer) -> ModelInfo:
         if value is not None:
             eos.update(value if isinstance(value, (list, tuple)) else [value])
     spec_fields = {k: v for k, v in config.to_dict().items() if k in ("num_speculative_tokens", "speculative_config")}
-    key_width, value_width = kv_dims(attn) if is_latent(attn) else (attn.head_dim, attn.head_dim)
+    # DeepSeek's MLA: compressed_kv.{i} (the latent) and k_pe.{i} (the rotated key), or each head's expanded K/V
+    latent = is_latent(attn) and latent_cache
+    expanded = is_latent(attn) and not latent_cache
+    if is_latent(attn):
+        key_width, value_width = cache_dims(attn) if latent else expanded_dims(attn)
+    else:
+        key_width = value_width = attn.head_dim
     return ModelInfo(
         model_type=config.model_type,
         num_layers=len(model.model.layers),
-        num_kv_heads=config.num_attention_heads if is_latent(attn) else config.num_key_value_heads,
+        num_kv_heads=1 if latent else config.num_attention_heads if expanded else config.num_key_value_heads,
         head_dim=key_width,
         value_head_dim=value_width if value_width != key_width else None,
+        kv_layout="latent" if latent else "heads",
         vocab_size=config.vocab_size,
         eos_token_ids=sorted(eos),
         speculative_config=spec_fields,
@@ -302,6 +310,7 @@ def trace_to_onnx(
         comp_ctx_lengths=options.comp_ctx_lengths,
         hidden_states=options.hidden_states,
         tree_inputs=options.tree_inputs,
+        latent_cache=options.latent_cache,
     ).eval()
     streamed = None
     if checkpoint is not None:

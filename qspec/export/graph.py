@@ -34,6 +34,10 @@ class ExportOptions(BaseModel):
     # `tap.{i}` outputs [batch, seq, hidden]: the residual stream entering layer i (Hugging Face's
     # output_hidden_states[i], 0 the embeddings), as vLLM's llama.py collects EAGLE-3's aux hidden states
     taps: tuple[int, ...] | Literal["vllm"] = ()
+    # DeepSeek-V3's multi-head latent attention: cache the normed latent and the rotated shared key
+    # (compressed_kv.{i}, k_pe.{i}; QEfficient's cache_compressed) with kv_b_proj absorbed; False: every head's
+    # expanded key and value (past_key.{i}, past_value.{i}; QEfficient's default). Other families: no effect.
+    latent_cache: bool = True
 
 
 def tap_name(layer: int) -> str:
@@ -52,8 +56,9 @@ def tap_layers(taps: tuple[int, ...] | str, num_layers: int) -> tuple[int, ...]:
     return ids
 
 
-def expected_dims(num_layers: int, options: ExportOptions, vocab_size: int) -> dict[str, list]:
-    """Dimension names (or sizes) of every graph input and output, per the contract."""
+def expected_dims(num_layers: int, options: ExportOptions, vocab_size: int, *, latent: bool = False) -> dict[str, list]:
+    """Dimension names (or sizes) of every graph input and output, per the contract (``latent``: DeepSeek's
+    compressed cache names, :func:`qspec.contract.kv_names`)."""
     rows = contract.FULL_BATCH_SIZE if options.continuous_batching else contract.BATCH_SIZE
     tokens = [contract.BATCH_SIZE, contract.SEQ_LEN]
     dims = {contract.INPUT_IDS: tokens, contract.POSITION_IDS: tokens}
@@ -68,13 +73,14 @@ def expected_dims(num_layers: int, options: ExportOptions, vocab_size: int) -> d
         dims[contract.TREE_MASK] = [*tokens, contract.SEQ_LEN]
         dims[contract.KV_MOVES] = [*tokens, 2]
     kv = [rows, None, contract.CTX_LEN, None]  # None: a fixed size the contract does not name
-    dims |= {name: kv for name in contract.kv_names(num_layers)}
+    kv_names = contract.kv_names(num_layers, latent=latent)
+    dims |= {name: kv for name in kv_names}
     keep = contract.NUM_LOGITS_TO_KEEP if options.speculative else 1
     dims[contract.LOGITS] = [contract.BATCH_SIZE, keep, vocab_size]
     if options.hidden_states:
         dims[contract.HIDDEN_STATES] = [contract.BATCH_SIZE, contract.SEQ_LEN, None]
     dims |= {tap_name(i): [contract.BATCH_SIZE, contract.SEQ_LEN, None] for i in tap_layers(options.taps, num_layers)}
-    return dims | {contract.retained(name): kv for name in contract.kv_names(num_layers)}
+    return dims | {contract.retained(name): kv for name in kv_names}
 
 
 def graph_dims(path: Path) -> dict[str, list]:
@@ -131,7 +137,7 @@ def check_ctx_functions(path: Path, num_layers: int, options: ExportOptions) -> 
     assert any(o.domain == CTX_DOMAIN for o in proto.opset_import), f"no opset import of {CTX_DOMAIN}"
 
 
-def check_graph(path: Path, num_layers: int, options: ExportOptions) -> None:
+def check_graph(path: Path, num_layers: int, options: ExportOptions, *, latent: bool = False) -> None:
     """Full ``onnx.checker`` pass, the contract's names and symbolic dimensions, and the KV's Ctx functions."""
     import onnx
 
@@ -139,7 +145,7 @@ def check_graph(path: Path, num_layers: int, options: ExportOptions) -> None:
     check_ctx_functions(path, num_layers, options)
     dims = graph_dims(path)
     vocab = dims[contract.LOGITS][-1]
-    expected = expected_dims(num_layers, options, vocab)
+    expected = expected_dims(num_layers, options, vocab, latent=latent)
     assert list(dims) == list(expected), f"graph I/O {list(dims)} differs from the contract {list(expected)}"
     for name, want in expected.items():
         got = dims[name]

@@ -328,7 +328,8 @@ def compose(lm: nn.Module, pieces: dict[str, Piece], options, streamed=None):
             initializers[key] = ir.Value(name=name, shape=data.shape, type=ir.TensorType(data.dtype), const_value=data)
         return initializers[key]
 
-    want = expected_dims(lm.num_layers, options, lm.config.vocab_size)
+    want = expected_dims(lm.num_layers, options, lm.config.vocab_size, latent=lm.latent)
+    kv_names = contract.kv_names(lm.num_layers, latent=lm.latent)
 
     def graph_input(piece: Piece, name: str, rename: str | None = None) -> ir.Value:
         """A graph input typed like the piece's parameter, its dims named as the contract says."""
@@ -370,8 +371,8 @@ def compose(lm: nn.Module, pieces: dict[str, Piece], options, streamed=None):
         rep = reps[lm.layer_signature(i)]
         piece = pieces[layer_function_name(lm, rep)]
         past = [
-            graph_input(piece, "past_key", contract.past_key(i)),
-            graph_input(piece, "past_value", contract.past_value(i)),
+            graph_input(piece, "past_key", kv_names[2 * i]),
+            graph_input(piece, "past_value", kv_names[2 * i + 1]),
         ]
         inputs.extend(past)
         tensors = _layer_weights(lm, piece, rep, i)

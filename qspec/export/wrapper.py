@@ -24,7 +24,7 @@ from torch import nn
 
 from qspec.export.adapters import ADAPTERS, Adapter, Scales, adapter_for, attention_info, supported_families
 from qspec.export.ctx_ops import ctx_gather, ctx_gather_cb, ctx_scatter, ctx_scatter_cb
-from qspec.export.mla import is_latent, kv_dims, latent_qkv
+from qspec.export.mla import expanded_qkv, is_latent, latent_attention, latent_states
 from qspec.export.moe import is_moe, static_moe
 
 __all__ = ["ADAPTERS", "Adapter", "KVExplicitLM", "Scales", "adapter_for", "attention_info", "supported_families"]
@@ -95,6 +95,7 @@ class KVExplicitLM(nn.Module):
         comp_ctx_lengths: bool = False,
         hidden_states: bool = False,
         tree_inputs: bool = False,
+        latent_cache: bool = False,
     ):
         super().__init__()
         self.tree_inputs = tree_inputs  # `write_slots`, `tree_mask`, `kv_moves` inputs after the others
@@ -116,10 +117,13 @@ class KVExplicitLM(nn.Module):
         self.register_buffer("inv_freq", torch.tensor([t[0] for t in tables]), persistent=False)  # [tables, d/2]
         self.register_buffer("rope_scales", torch.tensor([[t[1]] for t in tables]), persistent=False)
         attn = decoder.layers[0].self_attn
-        self.latent = is_latent(attn)  # DeepSeek's MLA: every head keeps its own key and value (qspec.export.mla)
-        self.head_dim = kv_dims(attn)[0] if self.latent else attn.head_dim
+        # DeepSeek's MLA (qspec.export.mla): with latent_cache the normed latent and the rotated key are cached
+        # (one entry for all heads), else every head's expanded key and value
+        self.expanded = is_latent(attn) and not latent_cache
+        self.latent = is_latent(attn) and latent_cache
+        self.head_dim = attn.qk_nope_head_dim + attn.qk_rope_head_dim if self.expanded else getattr(attn, "head_dim", 0)
         self.num_heads = model.config.num_attention_heads
-        self.num_kv_heads = self.num_heads if self.latent else model.config.num_key_value_heads
+        self.num_kv_heads = 1 if self.latent else self.num_heads if self.expanded else model.config.num_key_value_heads
         self.windows = [self.adapter.window(model.config, i, layer.self_attn) for i, layer in enumerate(decoder.layers)]
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *rest: torch.Tensor):
@@ -262,14 +266,20 @@ class KVExplicitLM(nn.Module):
         attn = layer.self_attn
         batch, seq, _ = x.shape
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
-        if self.latent:
-            q, k, v = latent_qkv(attn, x, cos, sin, interleave=bool(getattr(self.config, "rope_interleave", False)))
+        interleave = bool(getattr(self.config, "rope_interleave", False))
+        if self.expanded:
+            q, k, v = expanded_qkv(attn, x, cos, sin, interleave=interleave)
+        elif self.latent:
+            q_nope, q_rot, k, v = latent_states(attn, x, cos, sin, interleave=interleave)
         else:
             q, k, v = self._head_states(attn, x, cos, sin)  # [batch, heads or kv_heads, seq, dim]
         k, v = k.to(kv[0].dtype), v.to(kv[1].dtype)
 
         new_keys, new_values = _write(kv[0], k, slots, valid, batch_index), _write(kv[1], v, slots, valid, batch_index)
         keys, values = _read(new_keys, reads, batch_index), _read(new_values, reads, batch_index)  # [b, kv, read, dim]
+        if self.latent:  # keys: the latents, values: the rotated shared keys
+            out = latent_attention(attn, q_nope, q_rot, keys.to(q_nope.dtype), values.to(q_nope.dtype), mask[:, 0])
+            return out, (new_keys, new_values)
 
         groups = heads // kv_heads
         q = q.reshape(batch, kv_heads, groups, seq, dim)

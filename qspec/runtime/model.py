@@ -123,7 +123,7 @@ class CompiledModel(LoadedModel):
 
         dtype = np.float16 if model.kv_dtype == "float16" else np.float32
         shape = (self.rows, model.num_kv_heads, self.kv_len)
-        self.kv_names = contract.kv_names(model.num_layers)
+        self.kv_names = model.kv_names()
         # The OrtValues wrap these arrays (no copy): move_kv writes the cache through them.
         self.kv_arrays = [np.zeros((*shape, w), dtype=dtype) for w in model.kv_widths()]
         self.kv = [ort.OrtValue.ortvalue_from_numpy(array) for array in self.kv_arrays]

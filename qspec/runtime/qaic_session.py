@@ -88,7 +88,7 @@ class QaicModel(LoadedModel):
             raise QaicRuntimeError(
                 f"backend qaic: the QAIC runtime cannot start ({exc}); install the Platform SDK"
             ) from None
-        self.kv_names = contract.kv_names(self.manifest.model.num_layers)
+        self.kv_names = self.manifest.model.kv_names()
         # The KV cache stays on the device: neither written from nor read back to the host.
         self.session.skip_buffers(self.kv_names + [contract.retained(name) for name in self.kv_names])
         # A vendor graph with tree inputs verifies trees; an accepted sibling's KV is copied on the device by the

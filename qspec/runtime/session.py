@@ -201,7 +201,10 @@ class LoadedModel(ABC):
         """One call with the inputs written into ``bound``'s arrays; returns its logits array."""
 
     def weight_bytes(self) -> int:
-        """Bytes of the weights streamed by every call (the memory-bandwidth floor's numerator)."""
+        """Bytes of the weights a one-token call streams (the memory-bandwidth floor's numerator): the runtime
+        graph's :attr:`~qspec.package.RuntimeGraph.weight_bytes`, which counts a MoE operator's experts as the
+        top-k of them a token reads (Mixtral, top-2 of 8: a quarter of the experts' bytes; a verify call of more
+        tokens may read more of them, so its floor is a lower bound)."""
         if self.manifest.runtime_graph is not None:  # backend ort: its graph, embedding tables excluded
             return self.manifest.runtime_graph.weight_bytes
         return sum(p.stat().st_size for p in self.package.glob(ONNX_FILE + "*"))
