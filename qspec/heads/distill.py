@@ -115,17 +115,16 @@ def distill_head(
     if data.dialogues:
         records = dialogue_records(data.dialogues, tokenizer, skip=data.seed * data.dialogues)
         features.append(_features(package, records, work_dir / "features-dialogues.npz", say))
-    evals: dict[str, list[Path]] = {}
+    mt_bench: list[Path] = []
     if data.magpie or data.eval_mt_bench:
-        magpie, evals["mt_bench"] = _generated(package, model, tokenizer, work_dir, data, say)
+        magpie, mt_bench = _generated(package, model, tokenizer, work_dir, data, say)
         features += magpie
     if not features:
         raise ConfigError("no training data: give --prompts, --instructions, --magpie, --code or --dialogues above 0")
     from qspec.heads.train import train_head
 
-    return train_head(
-        features, model, output, train, state_dir=work_dir, progress=say, evals={k: v for k, v in evals.items() if v}
-    )
+    evals = {"mt_bench": mt_bench} if mt_bench else None
+    return train_head(features, model, output, train, state_dir=work_dir, progress=say, evals=evals)
 
 
 def _generated(
