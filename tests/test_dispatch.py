@@ -392,6 +392,33 @@ def test_draft_gate_pauses_a_request_whose_drafts_do_not_pay():
     assert cheap.open(["lookup", "new"], ms_per_token=2.0, per_token=0.3) == [True, True]
 
 
+def test_draft_gate_halves_a_pause_on_a_step_that_pays_instead_of_forgetting_it():
+    """A request whose drafts never pass is paused 4, 8, 16, 32, 64 steps (each pause ending in a trial); when
+    its drafts then pay for a while it drafts on, and when they stop paying it pauses 32 steps (the back-off
+    halved), not 4: a lucky trial does not reset the back-off."""
+    gate = DraftGate()
+    gate.share_ms = 1.2
+
+    def step() -> bool:
+        return gate.open(["r"], ms_per_token=2.0, per_token=0.3)[0]
+
+    opens = []
+    for _ in range(200):
+        opens.append(step())
+        gate.observe("r", verified=1, accepted=0)
+    pauses = [len(run) for run in "".join("x" if o else "." for o in opens).split("x")[1:-1] if run]
+    assert pauses[:5] == [4, 8, 16, 32, 64] and set(pauses[5:]) == {64}
+    for _ in range(10):
+        gate.observe("r", verified=1, accepted=1)
+    while not step():  # the rest of the pause: its trial
+        pass
+    assert step()  # it pays now
+    for _ in range(10):
+        gate.observe("r", verified=1, accepted=0)
+    paused = [step() for _ in range(33)]
+    assert paused == [False] * 32 + [True]
+
+
 def test_drafting_that_cannot_pay_is_turned_off_and_output_stays_none(four_slots):
     """pld at 4 slots whose drafting looks far too dear for what it saves: the rows draft only on trial steps
     (every GATE_PAUSE steps, then less often), and the output is `none`'s."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from qspec import contract
-from qspec.runtime.heads import EagleProposer, MedusaProposer
+from qspec.runtime.heads import EagleProposer, MedusaProposer, call_widths
 
 VOCAB, HIDDEN = 32, 4
 
@@ -44,6 +44,13 @@ def features(start, n):
     return np.arange(start, start + n, dtype=np.float32)[:, None].repeat(HIDDEN, 1)  # f_t = t
 
 
+def test_head_calls_pad_to_a_power_of_two_below_the_widest_compiled_width():
+    """A head runs in ONNX Runtime at any width and costs about its width: a catch-up of 6 pairs pays for 8 of the
+    compiled [1, 5, 64], not for 64; the compiled widths stay (a QAIC-shaped call is still one of them)."""
+    assert call_widths([1, 5, 64]) == [1, 2, 4, 5, 8, 16, 32, 64]
+    assert call_widths([1]) == [1] and call_widths([8, 1, 3]) == [1, 2, 3, 4, 8]
+
+
 def test_eagle_catches_up_then_chains():
     """Prompt 0..4 and first token 5: one catch-up call writes pairs (f_t, x_{t+1}) at t = 0..4, then two
     chained one-token calls feed (f^, d_i) at positions 5 and 6; drafts 6, 7, 8."""
@@ -75,7 +82,7 @@ def test_eagle_catch_up_after_a_verify_overwrites_the_chain():
     proposer.extend("a", [6, 9])
     assert proposer.propose("a", 1).tolist() == [10]
     (ids, pos, hidden), *rest = head.calls
-    assert ids[0, :2].tolist() == [6, 9] and pos[0].tolist() == [5, 6, -1]  # width 3: the smallest that holds 2
+    assert ids[0, :2].tolist() == [6, 9] and pos[0].tolist() == [5, 6]  # width 2: the smallest call width that holds 2
     assert hidden[0, :2, 0].tolist() == [50.0, 60.0] and not rest  # cap 1: no chained call
 
 

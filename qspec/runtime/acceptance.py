@@ -161,9 +161,10 @@ class DraftGate:
     the step's drafting time (``propose_ms / rows drafting``) plus ``per_token`` ms for each draft verified.
     Running means of both per request (the cost's drafting share across requests); a request whose drafting
     saves less than it costs drafts nothing for :data:`GATE_PAUSE` steps, then drafts one step to measure again
-    (the pause doubles while it still does not pay). Example: a head costing 1.2 ms a step for each row, 0.3 ms
-    a verified draft, 2 ms a token: a row accepting 0.5 of its 1.0 verified drafts a step saves 1.0 ms for 1.5:
-    it stops; one accepting 0.9 saves 1.8: it drafts on. Prompt lookup costs microseconds: it always pays.
+    (the pause doubles while it still does not pay, and halves on a step that pays). Example: a head costing
+    1.2 ms a step for each row, 0.3 ms a verified draft, 2 ms a token: a row accepting 0.5 of its 1.0 verified
+    drafts a step saves 1.0 ms for 1.5: it stops; one accepting 0.9 saves 1.8: it drafts on. Prompt lookup costs
+    microseconds: it always pays.
     """
 
     def __init__(self) -> None:
@@ -184,8 +185,8 @@ class DraftGate:
             pays = row[0] * ms_per_token >= self.share_ms + row[1] * per_token
             if not pays:
                 row[2], row[3] = row[3], min(row[3] * 2, GATE_MAX_PAUSE)
-            else:
-                row[3] = GATE_PAUSE
+            else:  # halved, not reset: one lucky trial must not bring back a drafting that pays on the whole less
+                row[3] = max(row[3] / 2, GATE_PAUSE)
             out.append(pays)
         return out
 
