@@ -76,16 +76,19 @@ class AttentionInfo(BaseModel):
 
 
 class MoEInfo(BaseModel):
-    """The mixture-of-experts blocks ONNX Runtime's ``MoE`` operator routes as the model does (softmax over the
-    experts, top-k, the k weights renormalised or not): the runtime graph runs them as that operator
-    (:mod:`qspec.backends.ort_moe`)."""
+    """The mixture-of-experts blocks the runtime graph runs as ONNX Runtime's ``MoE`` / ``QMoE`` operator
+    (:mod:`qspec.backends.ort_moe`), and who routes them: ``"softmax"``, the operator from the router's logits as
+    the model does (softmax over the experts, top-k, the k weights renormalised or not: Mixtral, Qwen3-MoE);
+    ``"table"``, the graph's own routing table (DeepSeek-V3's group-limited sigmoid routing), the operator
+    handed the chosen experts and their weights."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     layers: list[int]  # the layers whose MLP is such a block
     num_experts: int
     top_k: int
-    normalize: bool  # the top-k weights divided by their sum
+    normalize: bool  # the top-k weights divided by their sum (by the operator: "softmax"; in the table: "table")
+    routing: Literal["softmax", "table"] = "softmax"
 
 
 class ModelInfo(BaseModel):
@@ -106,7 +109,7 @@ class ModelInfo(BaseModel):
     eos_token_ids: list[int]
     speculative_config: dict = Field(default_factory=dict)  # the model config's own speculative fields
     attention: AttentionInfo | None = None  # exports before format 4 have none
-    moe: MoEInfo | None = None  # softmax top-k MoE blocks (Mixtral, Qwen3-MoE); None: none, or another routing
+    moe: MoEInfo | None = None  # MoE blocks the runtime graph runs as the MoE operator; None: none
 
     def kv_widths(self) -> list[int]:
         """The last dimension of each KV buffer, in :meth:`kv_names` order (key, value per layer)."""

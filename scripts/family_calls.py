@@ -2,17 +2,19 @@
 
     nice -n 10 python scripts/family_calls.py [--families phi3,gemma2] [--layers 8] [--hidden 256] [--calls 200]
     nice -n 10 python scripts/family_calls.py --moe --families mixtral --format int4
+    nice -n 10 python scripts/family_calls.py --moe --families deepseek_v3 --format int4 --expert-width 1024
     nice -n 10 python scripts/family_calls.py --mla --hidden 512 --layers 4
 
 Each family is a random model of transformers' own class (no download) at ``--hidden`` width and ``--layers``
 layers, the family's own settings from ``tests/conftest.py``. Its export is turned into two runtime graphs:
 **unfused** (RMSNorm fusions only, attention as exported) and **fused** (attention as ONNX Runtime's
-``GroupQueryAttention`` where the family admits it, softmax top-k experts as ONNX Runtime's ``MoE``: the ort
-backend's graph). With ``--moe`` (MoE families), the two graphs are the ort backend's graph in ``--format``
-with the experts in the plain static form (two MatMuls, ``MatMulNBits`` in int8/int4) and with ONNX
-Runtime's ``MoE`` (``QMoE`` in int8/int4), attention fused in both. A one-token decode call at
-position ``ctx - 8`` of a ``--ctx`` buffer is timed on each, interleaved, one thread; medians are printed as a
-markdown table (nodes, ms per call, unfused/fused).
+``GroupQueryAttention`` where the family admits it, the experts as ONNX Runtime's ``MoE``: the ort backend's
+graph). With ``--moe`` (MoE families), the two graphs are the ort backend's graph in ``--format`` with the
+experts in the plain static form (two MatMuls, ``MatMulNBits`` in int8/int4) and with ONNX Runtime's ``MoE``
+(``QMoE`` in int8/int4), attention fused in both (where the family admits it); ``--expert-width`` sets
+``moe_intermediate_size`` (Qwen3-MoE, DeepSeek-V3; Mixtral's experts are ``intermediate_size``, 4 x hidden).
+A one-token decode call at position ``ctx - 8`` of a ``--ctx`` buffer is timed on each, interleaved, one thread;
+medians are printed as a markdown table (nodes, ms per call, unfused/fused).
 
 With ``--mla`` (DeepSeek-V3 alone), the two graphs are the ort backend's fp32 graph of the export with the
 expanded per-head cache (``ExportOptions(latent_cache=False)``, QEfficient's default) and with the compressed
@@ -36,8 +38,11 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_FAMILIES = "llama,phi3,granite,olmo2,gemma2,gemma3_text,mixtral,qwen3_moe,deepseek_v3"
 
 
-def build_model(family: str, folder: Path, *, layers: int, hidden: int, mla: bool = False) -> Path:
-    """A random ``family`` model (the tests' settings) at ``hidden`` width: heads of 32, 2 query heads per KV head."""
+def build_model(
+    family: str, folder: Path, *, layers: int, hidden: int, mla: bool = False, expert_width: int | None = None
+) -> Path:
+    """A random ``family`` model (the tests' settings) at ``hidden`` width: heads of 32, 2 query heads per KV head;
+    experts ``expert_width`` wide where the family sets ``moe_intermediate_size``."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -50,6 +55,8 @@ def build_model(family: str, folder: Path, *, layers: int, hidden: int, mla: boo
     settings |= dict(num_attention_heads=heads, num_key_value_heads=heads if latent else heads // 2)
     if latent and mla:  # DeepSeek-V3's proportions (nope 128, rope 64, v 128, kv_lora 512, q_lora 1536), halved 4x
         settings |= dict(qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, kv_lora_rank=128, q_lora_rank=384)
+    if expert_width and "moe_intermediate_size" in settings:
+        settings["moe_intermediate_size"] = expert_width
     if "head_dim" in settings and not latent:
         settings["head_dim"] = 32
     if "layer_types" in settings:  # the tests' pattern (Gemma 3: local, global), repeated over the layers
@@ -116,7 +123,7 @@ def measure(family: str, work: Path, args) -> dict:
     from qspec.backends.ort_optimize import cached_runtime_graph
     from qspec.export import ExportOptions, export_model
 
-    model = build_model(family, work / family, layers=args.layers, hidden=args.hidden)
+    model = build_model(family, work / family, layers=args.layers, hidden=args.hidden, expert_width=args.expert_width)
     folder, meta = export_model(model, ExportOptions())
     attention, moe = meta.model.attention, meta.model.moe
     variants = (("unfused", None, None), ("fused", attention, moe))
@@ -124,7 +131,7 @@ def measure(family: str, work: Path, args) -> dict:
         variants = (("unfused", attention, None), ("fused", attention, moe))  # plain experts; the MoE operator
     graphs = {}
     for kind, info, experts in variants:
-        if kind == "fused" and (info is None if not args.moe else experts is None):
+        if kind == "fused" and experts is None and (info is None or args.moe):  # nothing fused
             continue
         graph_dir, runtime = cached_runtime_graph(
             folder, meta.key, args.format, attention=info, positions=args.ctx + 16, moe=experts
@@ -189,6 +196,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--moe", action="store_true", help="plain experts against ONNX Runtime's MoE operator")
     parser.add_argument("--format", default="fp32", choices=["fp32", "int8", "int4"])
+    parser.add_argument("--expert-width", type=int, help="moe_intermediate_size (default: the tests' settings)")
     parser.add_argument("--mla", action="store_true", help="DeepSeek-V3: expanded against compressed latent cache")
     args = parser.parse_args()
     load = os.getloadavg()[0]
@@ -201,6 +209,7 @@ def main() -> None:
             rows = [measure(family, Path(tmp), args) for family in args.families.split(",")]
     print(
         f"layers {args.layers}, hidden {args.hidden}, ctx {args.ctx}, {args.format}, 1 thread, "
+        f"expert width {args.expert_width or 'as the tests'}, "
         f"median of {args.calls} calls, load average {load:.1f} at the start\n"
     )
     if args.mla:

@@ -102,12 +102,12 @@ def test_quantized_runtime_graph_keeps_greedy_output(built, family, fmt):
 
 @pytest.mark.parametrize("fmt", ["fp32", "int8", "int4"])
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3"])
-def test_runtime_graph_runs_softmax_top_k_experts_as_the_moe_operator(built, family, fmt):
-    """Mixtral's and Qwen3-MoE's every MoE layer is one ``com.microsoft.MoE`` node in the fp32 runtime graph, one
-    ``QMoE`` in int8/int4, and no TopK of the static form is left; DeepSeek-V3's group-limited routing keeps the
-    static form (its TopKs). The vendor graph (the qaic package's) keeps the static form. The fp32 package holds
-    each expert once (the runtime graph's own data file, no vendor data beside it). Greedy output: the tests
-    above."""
+def test_runtime_graph_runs_the_experts_as_the_moe_operator(built, family, fmt):
+    """Every MoE layer is one ``com.microsoft.MoE`` node in the fp32 runtime graph, one ``QMoE`` in int8/int4:
+    Mixtral's and Qwen3-MoE's routed by the operator (no TopK of the static form left), DeepSeek-V3's routed by
+    its group-limited routing left in the graph (its TopKs: groups, then experts), which feeds the operator its
+    table. The vendor graph (the qaic package's) keeps the static form. The fp32 package holds each expert once
+    (the runtime graph's own data file, no vendor data beside it). Greedy output: the tests above."""
     import onnx
 
     from qspec.package import ONNX_FILE, read_manifest
@@ -121,15 +121,18 @@ def test_runtime_graph_runs_softmax_top_k_experts_as_the_moe_operator(built, fam
 
     ops = op_types(packages[fmt] / graph.file)
     moe = manifest.model.moe
-    layers = [i for i in range(manifest.model.num_layers) if family != "qwen3_moe" or i != 1]  # qwen3: 1 is dense
-    if family == "deepseek_v3":
-        assert moe is None and graph.fusions.get("moe", 0) == 0 and "TopK" in ops
-        return
+    dense = {"qwen3_moe": 1, "deepseek_v3": 0}.get(family)  # qwen3: mlp_only_layers; deepseek: first_k_dense_replace
+    layers = [i for i in range(manifest.model.num_layers) if i != dense]
     op = "MoE" if fmt == "fp32" else "QMoE"
-    assert moe.layers == layers and moe.normalize == (family == "mixtral")  # the tests' qwen3: norm_topk_prob off
-    assert graph.fusions["moe"] == len(layers) and ops.count(op) == len(layers) and "TopK" not in ops
+    assert moe.routing == ("table" if family == "deepseek_v3" else "softmax")
+    assert moe.layers == layers and moe.normalize == (family != "qwen3_moe")  # the tests' qwen3: norm_topk_prob off
+    assert graph.fusions["moe"] == len(layers) and ops.count(op) == len(layers)
     vendor = op_types(packages["qaic"] / ONNX_FILE)
-    assert "MoE" not in vendor and vendor.count("TopK") == len(layers)
+    assert "MoE" not in vendor and "QMoE" not in vendor
+    if family == "deepseek_v3":  # the routing left whole: per group, the groups, the experts (6 TopKs a layer)
+        assert ops.count("TopK") == vendor.count("TopK") == 6 * len(layers)
+    else:
+        assert "TopK" not in ops and vendor.count("TopK") == len(layers)
     if fmt == "fp32":  # its own data file holds every weight it reads, each expert once: no vendor data shipped
         assert graph.vendor_data_file is None and not (packages[fmt] / (ONNX_FILE + ".data")).exists()
         vendor_bytes = (packages["qaic"] / (ONNX_FILE + ".data")).stat().st_size

@@ -18,8 +18,15 @@ weights block-quantized by ONNX Runtime's block quantizer as a ``MatMulNBits`` w
 K, symmetric, same accuracy level), the bytes in the raw ``[experts, N, K * bits / 8]`` layout
 (``weights_prepacked=0``). An asymmetric recipe keeps the plain form (its zero points are not carried over).
 
-DeepSeek-V3's group-limited routing with a correction bias is not the operator's: its blocks stay in the plain
-static form (no :class:`MoEInfo`).
+DeepSeek-V3's group-limited sigmoid routing (correction bias, ``topk_group`` of ``n_group`` groups, weights
+renormalised and scaled) is not the operator's; its blocks (``MoEInfo.routing == "table"``) keep the graph's own
+routing table ``[batch, seq, experts]`` (the chosen experts' weights, exact zeros elsewhere) and hand it over:
+``QMoE`` takes it twice, as ``router_probs`` (its top-k picks the table's nonzero entries) and as
+``router_weights`` (the mixing weights, as they are; ``normalize_routing_weights=0``). ``MoE`` has no
+``router_weights`` input (ONNX Runtime 1.32's schema: 5 to 8 inputs), so the fp32 graph hands it the table's log
+(``Log(Max(table, 1e-30))``: its softmax over the experts is ``table / sum(table)``, its top-k the chosen experts)
+and multiplies its output by ``sum(table)``, which gives back the table's weights. The shared experts stay
+MatMuls beside the node.
 """
 
 from __future__ import annotations
@@ -38,7 +45,8 @@ def fuse_moe(model, info: MoEInfo, *, bits: int | None = None, settings: tuple =
     quantizer's); returns how many. None with an asymmetric ``settings`` (the plain form stays).
 
     Example: Mixtral with 2 layers -> 2; the vendor graph's router Softmax, TopK and the stacked-expert MatMuls
-    of both blocks are gone.
+    of both blocks are gone. DeepSeek-V3 (routing ``"table"``): its routing (sigmoid, TopKs) stays, the stacked-
+    expert MatMuls are gone.
     """
     from onnxscript import optimizer
 
@@ -47,7 +55,7 @@ def fuse_moe(model, info: MoEInfo, *, bits: int | None = None, settings: tuple =
         return 0
     count = 0
     for layer in info.layers:
-        block = _find_block(model, layer)
+        block = _find_block(model, layer, info.routing)
         if block is None:
             continue
         up_matmul, down_matmul, logits = block
@@ -64,11 +72,14 @@ def fuse_moe(model, info: MoEInfo, *, bits: int | None = None, settings: tuple =
     return count
 
 
-def _find_block(model, layer: int):
-    """(up MatMul, down MatMul, router logits value) of layer ``layer``'s static MoE block, or None.
+def _find_block(model, layer: int, routing: str):
+    """(up MatMul, down MatMul, routing value) of layer ``layer``'s static MoE block, or None: the router's logits
+    (``routing`` ``"softmax"``) or the routing table (``"table"``).
 
     The block reads ``model.layers.{i}.mlp.experts.up_stacked`` and ``.down_stacked`` (MatMul weights) and the
-    router ``model.layers.{i}.mlp.gate.weight`` through ``MatMul(x, Transpose(gate))``, x the block's input.
+    router ``model.layers.{i}.mlp.gate.weight`` through ``MatMul(x, Transpose(gate))``, x the block's input; the
+    table is spread over the experts' activations by a ``Gather`` on its last axis, multiplied into the down
+    MatMul's input (:func:`qspec.export.moe.static_moe`).
     """
     prefix = f"model.layers.{layer}.mlp."
     inits = model.graph.initializers
@@ -78,6 +89,9 @@ def _find_block(model, layer: int):
     up_matmul, down_matmul = (_only_matmul(inits[name]) for name in names[:2])
     if up_matmul is None or down_matmul is None:
         return None
+    if routing == "table":
+        table = _spread_table(down_matmul)
+        return None if table is None else (up_matmul, down_matmul, table)
     x = up_matmul.inputs[0]
     for transpose, _ in inits[names[2]].uses():
         if transpose.op_type != "Transpose":
@@ -85,6 +99,19 @@ def _find_block(model, layer: int):
         for router, index in transpose.outputs[0].uses():
             if router.op_type == "MatMul" and index == 1 and router.inputs[0] is x:
                 return up_matmul, down_matmul, router.outputs[0]
+    return None
+
+
+def _spread_table(down_matmul):
+    """The routing table ``[batch, seq, experts]`` that ``Mul(activations, Gather(table, spread, axis=-1))``
+    weighs the down MatMul's input by, or None."""
+    weighed = down_matmul.inputs[0].producer()
+    if weighed is None or weighed.op_type != "Mul":
+        return None
+    for value in weighed.inputs:
+        spread = value.producer()
+        if spread is not None and spread.op_type == "Gather" and spread.attributes.get_int("axis", 0) in (-1, 2):
+            return spread.inputs[0]
     return None
 
 
@@ -99,35 +126,62 @@ def _replace(model, layer: int, block, info: MoEInfo, bits: int | None, settings
     import numpy as np
     import onnx_ir as ir
 
-    up_matmul, down_matmul, logits = block
+    up_matmul, down_matmul, routing = block
     graph = model.graph
     name = f"model.layers.{layer}.mlp.moe"
     shape = _initializer(graph, ir.tensor(np.array([-1, info.num_experts], np.int64), name=name + ".router_shape"))
-    flat = ir.node("Reshape", [logits, shape], name=name + ".router_reshape")
+    flat = ir.node("Reshape", [routing, shape], name=name + ".router_reshape")
     weights = _expert_weights(graph, name, up_matmul.inputs[1], down_matmul.inputs[1], info.num_experts, bits, settings)
+    table = info.routing == "table"
     attributes = dict(
         k=info.top_k,
         activation_type="swiglu",
         swiglu_fusion=1,
         activation_alpha=1.0,
         activation_beta=0.0,
-        normalize_routing_weights=int(info.normalize),
+        normalize_routing_weights=0 if table else int(info.normalize),
     )
     if bits is not None:
         block_size, accuracy_level, _ = settings
         attributes |= dict(expert_weight_bits=bits, block_size=block_size, weights_prepacked=0)
         if accuracy_level:
             attributes["accuracy_level"] = accuracy_level
+    nodes, probs, after = [flat], flat.outputs[0], []
+    if table and bits is None:
+        nodes, probs, after = _log_table(graph, name, flat, routing)
+    elif table:
+        weights = [*weights, *[None] * 7, flat.outputs[0]]  # router_weights: input 14, after the zero points
     op = "MoE" if bits is None else "QMoE"
-    moe = ir.node(
-        op, [up_matmul.inputs[0], flat.outputs[0], *weights], attributes=attributes, domain=MS_DOMAIN, name=name
-    )
-    graph.insert_before(down_matmul, [flat, moe])
+    moe = ir.node(op, [up_matmul.inputs[0], probs, *weights], attributes=attributes, domain=MS_DOMAIN, name=name)
+    result = moe
+    if after:  # the MoE output times the table's sum
+        result = ir.node("Mul", [moe.outputs[0], after[-1].outputs[0]], name=name + ".rescale")
+    graph.insert_before(down_matmul, [*nodes, moe, *after, *([result] if after else [])])
     out = down_matmul.outputs[0]
     kept_name, kept_shape, kept_type = out.name, out.shape, out.type
-    out.replace_all_uses_with(moe.outputs[0], replace_graph_outputs=True)
+    out.replace_all_uses_with(result.outputs[0], replace_graph_outputs=True)
     graph.remove(down_matmul, safe=True)
-    moe.outputs[0].name, moe.outputs[0].shape, moe.outputs[0].type = kept_name, kept_shape, kept_type
+    result.outputs[0].name, result.outputs[0].shape, result.outputs[0].type = kept_name, kept_shape, kept_type
+
+
+def _log_table(graph, name: str, flat, table):
+    """(nodes before the ``MoE`` node, its ``router_probs``, nodes after it) for a routing table handed to ``MoE``
+    (no ``router_weights`` input): ``Log(Max(table, 1e-30))``, whose softmax over the experts is ``table /
+    sum(table)`` (the floor keeps a row of zeros finite), and ``ReduceSum(table)`` ``[batch, seq, 1]``, the factor
+    that gives the table's weights back.
+
+    Example: table row ``[0, 0.5, 0, 2.0]``: softmax of its log ``[0, 0.2, 0, 0.8]``, top-2 experts 3 and 1, output
+    ``2.5 * (0.8 y3 + 0.2 y1) = 2.0 y3 + 0.5 y1``.
+    """
+    import numpy as np
+    import onnx_ir as ir
+
+    floor = _initializer(graph, ir.tensor(np.array(1e-30, np.float32), name=name + ".router_floor"))
+    axes = _initializer(graph, ir.tensor(np.array([-1], np.int64), name=name + ".router_axes"))
+    kept = ir.node("Max", [flat.outputs[0], floor], name=name + ".router_floor_max")
+    log = ir.node("Log", [kept.outputs[0]], name=name + ".router_log")
+    total = ir.node("ReduceSum", [table, axes], attributes=dict(keepdims=1), name=name + ".router_sum")
+    return [flat, kept, log], log.outputs[0], [total]
 
 
 def _expert_weights(graph, name: str, up_stacked, down_stacked, experts: int, bits: int | None, settings: tuple):

@@ -10,9 +10,9 @@ only, in this order:
    With the export's :class:`AttentionInfo`, each layer's attention becomes one
    ``GroupQueryAttention`` node (:mod:`qspec.backends.ort_attention`, which maps the contract's
    position-driven KV write and padding onto it; q, k and v packed into one MatMul).
-   With the export's :class:`MoEInfo`, each softmax top-k mixture-of-experts block (Mixtral, Qwen3-MoE)
-   becomes one ``com.microsoft.MoE`` node running each token's top-k experts only, or ``QMoE`` in int8/int4
-   (:mod:`qspec.backends.ort_moe`); DeepSeek-V3's group-limited routing keeps the static form.
+   With the export's :class:`MoEInfo`, each mixture-of-experts block (Mixtral, Qwen3-MoE, DeepSeek-V3's routed
+   experts) becomes one ``com.microsoft.MoE`` node running each token's top-k experts only, or ``QMoE`` in
+   int8/int4 (:mod:`qspec.backends.ort_moe`); DeepSeek-V3's group-limited routing stays in the graph and feeds it.
 
 ``fp32`` stops here: the fused graph keeps its own weights, the packed q/k/v and the RoPE tables, in
 ``model.ort.onnx.data``, page-aligned, and reads every other weight from the vendor graph's
@@ -76,8 +76,9 @@ Progress = Callable[[str], None]
 # Bump when the recipe below changes: cached runtime graphs are keyed by it (and packages, whose draft
 # head graph is built with it: 28, the head's call plan; 31, the MoE operator; 32, tree attention; 33, a
 # one-token call of a graph with its attention as exported runs one padding token more; weight_bytes counts the
-# routed experts a token reads; an fp32 graph with the MoE operator holds all its weights in its own data file).
-RECIPE_VERSION = 33
+# routed experts a token reads; an fp32 graph with the MoE operator holds all its weights in its own data file;
+# 34, DeepSeek-V3's routed experts as the MoE operator fed the graph's routing table).
+RECIPE_VERSION = 34
 ONE_MORE_TOKEN = "one_more_token"  # RuntimeGraph.fusions key: ort_tokens.pad_one_more_token
 OWN_WEIGHTS = "own_weights"  # RuntimeGraph.fusions key: own_source_weights (fp32 with the MoE operator)
 GRAPH_META = "graph.json"

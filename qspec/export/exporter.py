@@ -40,8 +40,9 @@ from qspec.package import ONNX_FILE, TOKENIZER_DIR, ModelInfo
 EXPORT_META = "export.json"
 # Bump when the exporter writes a different graph or meta for the same model and options: old exports are stale
 # (6: ModelInfo.moe, the MoE blocks the runtime graph runs as ONNX Runtime's MoE operator; 7: DeepSeek-V3's
-# compressed latent cache, compressed_kv.{i} / k_pe.{i}, ModelInfo.kv_layout).
-EXPORT_FORMAT = 7
+# compressed latent cache, compressed_kv.{i} / k_pe.{i}, ModelInfo.kv_layout; 8: DeepSeek-V3's ModelInfo.moe,
+# routing "table").
+EXPORT_FORMAT = 8
 
 Progress = Callable[[str], None]
 

@@ -75,15 +75,17 @@ def group_limited(gate: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def moe_info(model: nn.Module, router: Router | None):
-    """The :class:`~qspec.package.MoEInfo` of ``model``'s MoE blocks when ``router`` is :func:`softmax_top_k`
-    (what ONNX Runtime's ``MoE`` operator computes), else None (DeepSeek-V3's group-limited routing, dense models).
+    """The :class:`~qspec.package.MoEInfo` of ``model``'s MoE blocks: routed by ONNX Runtime's ``MoE`` operator
+    itself when ``router`` is :func:`softmax_top_k` (what the operator computes), by the graph's routing table
+    when it is :func:`group_limited` (DeepSeek-V3); None for a dense model.
 
-    Example: Qwen3-MoE with ``mlp_only_layers=[1]`` of 2 layers -> layers ``[0]``, normalize ``norm_topk_prob``.
+    Example: Qwen3-MoE with ``mlp_only_layers=[1]`` of 2 layers -> layers ``[0]``, normalize ``norm_topk_prob``,
+    routing ``"softmax"``; DeepSeek-V3 with ``first_k_dense_replace=1`` of 2 layers -> layers ``[1]``, ``"table"``.
     """
     from qspec.package import MoEInfo
 
     layers = [i for i, layer in enumerate(model.model.layers) if is_moe(layer.mlp)]
-    if router is not softmax_top_k or not layers:
+    if router not in (softmax_top_k, group_limited) or not layers:
         return None
     gate = model.model.layers[layers[0]].mlp.gate
     return MoEInfo(
@@ -91,6 +93,7 @@ def moe_info(model: nn.Module, router: Router | None):
         num_experts=gate.weight.shape[0],
         top_k=gate.top_k,
         normalize=bool(getattr(gate, "norm_topk_prob", True)),
+        routing="softmax" if router is softmax_top_k else "table",
     )
 
 
