@@ -36,6 +36,13 @@ def train_head(
         str,
         typer.Option(help="package (its exact greedy text, one slot) or source (the model it came from, batched)."),
     ] = "package",
+    features_from: Annotated[
+        str,
+        typer.Option(
+            help="package (its hidden states of the answers, a second pass) or source (the source model's, read "
+            "off the forwards that write them; needs --answer-with source)."
+        ),
+    ] = "package",
     epochs: Annotated[int, typer.Option(help="Training epochs.")] = 4,
     draft_vocab: Annotated[int, typer.Option(help="Draft vocabulary: the most frequent greedy tokens.")] = 8192,
     medusa_heads: Annotated[int, typer.Option(help="medusa: heads (drafts per call).")] = 3,
@@ -110,6 +117,7 @@ def train_head(
             code=code,
             dialogues=dialogues,
             answer_with=answer_with,
+            features_from=features_from,
             prompts_file=data,
             max_new_tokens=max_new_tokens,
             magpie=magpie or 0,

@@ -50,3 +50,52 @@ def test_training_logs_the_chain_accuracy_of_each_eval_set(tiny_model, tmp_path)
     assert [sorted(e["chain_accuracy"]) for e in log["epochs"]] == [["probe"], ["probe"]]
     accuracy = log["epochs"][-1]["chain_accuracy"]["probe"]
     assert len(accuracy) == 3 and 1 >= accuracy[0] >= accuracy[1] >= accuracy[2] >= 0
+
+
+def test_source_features_are_the_packages_hidden_states_of_the_source_answers(tiny_model, tmp_path):
+    """``--features-from source``: one pass of the source model writes each answer (its greedy text) and the
+    final-norm features of prompt and answer, equal to the fp32 package's hidden states of the same tokens (to fp16
+    rounding); the labels are the greedy next token at every position; a stopped run resumes from its shards."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from qspec.compile import CompileOptions, compile_package
+    from qspec.heads.data import hidden_rows
+    from qspec.heads.distill import DistillOptions, _answered
+    from qspec.runtime.load import load_model
+    from qspec.specializations import make_config
+
+    folder = tiny_model("llama", tie=False)
+    spec = make_config(num_speculative_tokens="0", prefill_seq_len=64, ctx_len=1024)
+    options = CompileOptions(specialization=spec, hidden_states=True)
+    package, _, _ = compile_package(folder, options, output=tmp_path / "p")
+    source = AutoModelForCausalLM.from_pretrained(folder).eval()
+    data = DistillOptions.create(answer_with="source", features_from="source", max_new_tokens=12)
+    prompts = instruction_prompts(5, seed=1)
+    paths = _answered(package, source, prompts, tmp_path / "work", "answers", data, print)
+    assert [p.name for p in paths] == ["features-final-answers-00000.npz"]
+    features = np.load(paths[0])
+    greedy = np.load(paths[0].with_suffix(".greedy.npy"))
+    starts, answers, tokens = features["starts"], features["answer_starts"], features["tokens"]
+    assert len(starts) == 6 and len(greedy) == len(tokens) == len(features["features"]) == starts[-1]
+    model = load_model(package, num_threads=1)
+    for lo, hi, answer in zip(starts[:-1], starts[1:], answers):
+        sequence = tokens[lo:hi].tolist()
+        assert hi - answer >= 1  # an answer, its last token dropped (nothing ran on it)
+        expected = hidden_rows(model, sequence).astype(np.float32)
+        np.testing.assert_allclose(features["features"][lo:hi].astype(np.float32), expected, atol=2e-2, rtol=2e-2)
+        assert greedy[answer - 1 : hi - 1].tolist() == tokens[answer:hi].tolist()  # the model's greedy text
+    logits = source.get_output_embeddings()(torch.from_numpy(features["features"].astype(np.float32)))
+    assert (logits.argmax(-1).numpy() == greedy).mean() > 0.99  # prompt positions too (fp16 features: near ties)
+    assert _answered(package, source, prompts, tmp_path / "work", "answers", data, print) == paths  # resumes
+
+
+def test_source_features_need_source_answers():
+    import pytest
+
+    from qspec.errors import ConfigError
+    from qspec.heads.distill import DistillOptions
+
+    with pytest.raises(ConfigError, match="--answer-with source"):
+        DistillOptions.create(features_from="source")

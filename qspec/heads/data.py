@@ -310,6 +310,39 @@ def collect_features(
     return output
 
 
+def features_from_shard(shard: Path, output: Path, lm_head) -> Path:
+    """A features file (and its ``.greedy.npy`` labels, :func:`qspec.heads.train.load_features`) from a generated
+    shard whose one tap is the final-norm hidden state (:func:`qspec.heads.eagle3_generate.write_generated_shards`
+    with ``taps=(num_layers,)``): the source model's own features, read off the forwards that wrote the answers.
+    The shard's labels are the model's argmax from the last prompt token on; inside the prompt (where the shard
+    keeps the prompt's next token) ``lm_head`` gives them. Each record's last token is dropped: nothing ran on it,
+    so its feature row is zeros."""
+    import torch
+
+    data = np.load(shard)
+    starts, answers = data["starts"], data["answer_starts"]
+    features, labels = data["taps"][:, 0], data["labels"].astype(np.int64)
+    inside = np.concatenate([np.arange(lo, a - 1) for lo, a in zip(starts[:-1], answers)]).astype(np.int64)
+    with torch.no_grad():
+        for at in range(0, len(inside), 4096):
+            part = inside[at : at + 4096]
+            labels[part] = lm_head(torch.from_numpy(features[part].astype(np.float32))).argmax(-1).numpy()
+    keep = np.ones(len(labels), bool)
+    keep[starts[1:] - 1] = False
+    shift = np.arange(len(starts))
+    tmp = output.with_suffix(".tmp.npz")
+    np.savez(
+        tmp,
+        features=features[keep],
+        tokens=data["tokens"][keep].astype(np.int32),
+        starts=starts - shift,
+        answer_starts=answers - shift[:-1],
+    )
+    np.save(output.with_suffix(".greedy.npy"), labels[keep])
+    tmp.rename(output)
+    return output
+
+
 def iter_sequences(data: dict) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
     """``(tokens, features, answer_offset)`` of every record of a features file."""
     starts, answer_starts = data["starts"], data["answer_starts"]

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from qspec.common import FrozenModel
 from qspec.errors import ConfigError
@@ -45,9 +45,18 @@ class DistillOptions(FrozenModel):
     # who writes the answers: the package (one slot, its exact greedy text) or the model it was compiled from
     # (batched in PyTorch, several times faster on the CPU; features and labels still come from the package)
     answer_with: Literal["package", "source"] = "package"
+    # whose hidden states the head learns from: the package's of the answers (its weight format, a second pass)
+    # or the source model's, read off the forwards that wrote the answers (one pass; needs answer_with source)
+    features_from: Literal["package", "source"] = "package"
     magpie: int = Field(default=0, ge=0)  # requests the model writes itself (Magpie), answered by the source model
     eval_mt_bench: int = Field(default=0, ge=0, le=80)  # MT-bench first turns answered into eval/ (never trained)
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _source_features_need_source_answers(self) -> DistillOptions:
+        if self.features_from == "source" and self.answer_with != "source":
+            raise ValueError("features_from source reads the source model's forwards: give --answer-with source too")
+        return self
 
 
 def read_prompts_file(path: Path) -> list[list[dict]]:
@@ -104,10 +113,10 @@ def distill_head(
         prompts = (
             read_prompts_file(data.prompts_file) if data.prompts_file else chat_prompts(data.prompts, seed=data.seed)
         )
-        features.append(_answered(package, model, prompts, work_dir, "answers", data, say))
+        features += _answered(package, model, prompts, work_dir, "answers", data, say)
     if data.instructions:
         prompts = instruction_prompts(data.instructions, seed=data.seed)
-        features.append(_answered(package, model, prompts, work_dir, "answers-instructions", data, say))
+        features += _answered(package, model, prompts, work_dir, "answers-instructions", data, say)
     tokenizer = Tokenizer(package / "tokenizer")
     if data.code:
         records = code_records(data.code, tokenizer, seed=data.seed)
@@ -170,13 +179,16 @@ def _shard_features(package: Path, shard: Path, path: Path, say: Progress) -> Pa
 
 def _answered(
     package: Path, model, prompts: list, work_dir: Path, name: str, data: DistillOptions, say: Progress
-) -> Path:
-    """Greedy answers to ``prompts`` (``NAME.jsonl``) and the package's features of them (``features-NAME.npz``)."""
+) -> list[Path]:
+    """Greedy answers to ``prompts`` (``NAME.jsonl``) and the package's features of them (``features-NAME.npz``);
+    with ``features_from`` source, the source model's shards and features instead (:func:`_answered_with_features`)."""
     from qspec.heads.data import generate_answers, generate_answers_torch
 
+    if data.features_from == "source":
+        return _answered_with_features(model, package, prompts, work_dir, name, data, say)
     features = work_dir / f"features-{name}.npz"
     if features.is_file():
-        return features
+        return [features]
     answers, budget = work_dir / f"{name}.jsonl", data.max_new_tokens
     if data.answer_with == "source":
         say(f"answering {len(prompts)} prompts with the source model, batched")
@@ -184,7 +196,41 @@ def _answered(
     else:
         say(f"answering {len(prompts)} prompts with {package}")
         records = generate_answers(package, prompts, answers, max_new_tokens=budget, progress=say)
-    return _features(package, records, features, say)
+    return [_features(package, records, features, say)]
+
+
+def _answered_with_features(
+    model, package: Path, prompts: list, work_dir: Path, name: str, data: DistillOptions, say: Progress
+) -> list[Path]:
+    """The source model's greedy answers to ``prompts`` with its final-norm hidden states, one pass: shards
+    ``generated/final-NAME-*.npz`` (64 prompts each, resumable), then ``features-final-NAME-*.npz``."""
+    from qspec.heads.data import features_from_shard
+    from qspec.heads.eagle3_generate import write_generated_shards
+    from qspec.heads.magpie import encode_prompts
+    from qspec.package import check_package
+    from qspec.runtime.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(package / "tokenizer")
+    stop = sorted(tokenizer.stop_ids(check_package(package).model.eos_token_ids))
+    encoded = encode_prompts(tokenizer, prompts)
+    say(f"answering {len(encoded)} prompts with the source model, batched, its features read off the same forwards")
+    generated = work_dir / "generated"
+    generated.mkdir(parents=True, exist_ok=True)
+    shards = write_generated_shards(
+        model,
+        encoded,
+        generated,
+        f"final-{name}",
+        taps=(model.config.num_hidden_layers,),  # hidden_states[L]: after the final norm, what the LM head reads
+        stop_ids=stop,
+        max_new_tokens=data.max_new_tokens,
+        progress=say,
+    )
+    lm_head = model.get_output_embeddings()
+    return [
+        path if path.is_file() else features_from_shard(shard, path, lm_head)
+        for shard, path in ((shard, work_dir / f"features-{shard.stem}.npz") for shard in shards)
+    ]
 
 
 def _features(package: Path, records: list[dict], path: Path, say: Progress) -> Path:
