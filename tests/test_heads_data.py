@@ -31,7 +31,8 @@ def test_code_records_teacher_force_standard_library_functions(tmp_path):
 
 def test_training_logs_the_chain_accuracy_of_each_eval_set(tiny_model, tmp_path):
     """``train_head(evals=...)`` logs every epoch's chain accuracy on each named features file beside the
-    held-out one: on the training file itself it is the accuracy of the same positions the head trained on."""
+    held-out one: on the training file itself it is the accuracy of the same positions the head trained on.
+    The resumable state goes to ``state_dir``, made when missing."""
     import numpy as np
     from transformers import AutoModelForCausalLM
 
@@ -46,8 +47,10 @@ def test_training_logs_the_chain_accuracy_of_each_eval_set(tiny_model, tmp_path)
     path = tmp_path / "features-train.npz"
     np.savez(path, features=features, tokens=tokens, starts=starts, answer_starts=starts[:-1] + 4)
     options = TrainOptions(method="eagle", draft_vocab=16, epochs=2, batch_sequences=4, held_out=0.2, threads=1)
-    log = train_head([path], target, tmp_path / "head", options, evals={"probe": [path]})
+    state = tmp_path / "not-yet" / "state"  # made by the first epoch's checkpoint
+    log = train_head([path], target, tmp_path / "head", options, state_dir=state, evals={"probe": [path]})
     assert [sorted(e["chain_accuracy"]) for e in log["epochs"]] == [["probe"], ["probe"]]
+    assert (state / "train_state-eagle.pt").is_file()
     accuracy = log["epochs"][-1]["chain_accuracy"]["probe"]
     assert len(accuracy) == 3 and 1 >= accuracy[0] >= accuracy[1] >= accuracy[2] >= 0
 
