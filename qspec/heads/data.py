@@ -317,16 +317,13 @@ def features_from_shard(shard: Path, output: Path, lm_head) -> Path:
     The shard's labels are the model's argmax from the last prompt token on; inside the prompt (where the shard
     keeps the prompt's next token) ``lm_head`` gives them. Each record's last token is dropped: nothing ran on it,
     so its feature row is zeros."""
-    import torch
+    from qspec.heads.train import greedy_labels
 
     data = np.load(shard)
     starts, answers = data["starts"], data["answer_starts"]
     features, labels = data["taps"][:, 0], data["labels"].astype(np.int64)
     inside = np.concatenate([np.arange(lo, a - 1) for lo, a in zip(starts[:-1], answers)]).astype(np.int64)
-    with torch.no_grad():
-        for at in range(0, len(inside), 4096):
-            part = inside[at : at + 4096]
-            labels[part] = lm_head(torch.from_numpy(features[part].astype(np.float32))).argmax(-1).numpy()
+    labels[inside] = greedy_labels(features[inside], lm_head)
     keep = np.ones(len(labels), bool)
     keep[starts[1:] - 1] = False
     shift = np.arange(len(starts))
