@@ -43,6 +43,30 @@ def test_one_token_call_padded_or_alone():
     assert int(lone.arrays[ort_plan.TOTAL_SEQUENCE_LENGTH]) == 42 and ort_plan.QUERY_PADS not in lone.arrays
 
 
+def test_a_4bit_product_is_widened_only_when_it_has_one_row():
+    """A 4-bit graph's MatMulNBits get a zero row only where the call's product has one row (MLAS rounds a
+    one-row product differently): one token in all, or one kept slot for the LM head; a verify call or a call
+    of several rows runs its products as they are."""
+
+    def widen(rows: int, seq_len: int, keep: int, positions: list[list[int]]) -> tuple:
+        plan = CallPlan(rows, seq_len, keep, PADDED)
+        plan.write(np.array(positions, np.int64))
+        a = plan.arrays
+        return (
+            a[ort_plan.WIDEN_PADS].tolist(),
+            int(a[ort_plan.WIDEN_ENDS][0]),
+            a[ort_plan.KEPT_WIDEN_PADS].tolist(),
+            int(a[ort_plan.KEPT_WIDEN_ENDS][0]),
+        )
+
+    whole = ort_plan.WHOLE_AXIS
+    assert widen(1, 1, 1, [[41]]) == ([0, 1], -1, [0, 1], -1)  # a one-token call: both widened
+    assert widen(1, 5, 5, [[41, 42, 43, 44, 45]]) == ([0, 0], whole, [0, 0], whole)  # a verify call: neither
+    # the K=4 call with one live token: rows cut to one token, four of five kept slots skipped
+    assert widen(1, 5, 5, [[41, -1, -1, -1, -1]]) == ([0, 1], -1, [0, 1], -1)
+    assert widen(2, 1, 1, [[41], [-1]]) == ([0, 0], whole, [0, 0], whole)  # two rows: two rows a product
+
+
 def test_an_idle_call_and_rewriting_in_place():
     """Every row idle: one padding token runs, nothing kept; the arrays are the same objects after each write."""
     plan = CallPlan(rows=2, seq_len=3, keep=3, names=PADDED)

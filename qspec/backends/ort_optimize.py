@@ -77,8 +77,9 @@ Progress = Callable[[str], None]
 # head graph is built with it: 28, the head's call plan; 31, the MoE operator; 32, tree attention; 33, a
 # one-token call of a graph with its attention as exported runs one padding token more; weight_bytes counts the
 # routed experts a token reads; an fp32 graph with the MoE operator holds all its weights in its own data file;
-# 34, DeepSeek-V3's routed experts as the MoE operator fed the graph's routing table).
-RECIPE_VERSION = 34
+# 34, DeepSeek-V3's routed experts as the MoE operator fed the graph's routing table; 35, a graph with the
+# host's plan widens a 4-bit product only when it has one row in the call).
+RECIPE_VERSION = 35
 ONE_MORE_TOKEN = "one_more_token"  # RuntimeGraph.fusions key: ort_tokens.pad_one_more_token
 OWN_WEIGHTS = "own_weights"  # RuntimeGraph.fusions key: own_source_weights (fp32 with the MoE operator)
 GRAPH_META = "graph.json"

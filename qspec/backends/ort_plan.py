@@ -35,6 +35,14 @@ KEPT_SLOTS = "plan_kept_slots"  # int64 [batch_size, keep, 1]: each row's slots 
 SKIPPED = "plan_skipped"  # int64 [1]: leading kept entries no row fills (the LM head skips them)
 LOGITS_PADS = "plan_logits_pads"  # int64 [6]: Pad of the LM head's [rows, keep - skipped, vocab] to keep
 HIDDEN_PADS = "plan_hidden_pads"  # int64 [6]: Pad of the hidden states [rows, seq, hidden] to seq_len
+# A 4-bit graph widens a product of one row to two (qspec.backends.ort_quantize.widen_one_row_matmuls): the Pad
+# of its rows axis and the Slice end that drops the added row again, for the products on the call's tokens and
+# for those after the kept-rows gather (the LM head's).
+WIDEN_PADS = "plan_widen_pads"  # int64 [2]: [0, 1] when the call has one token in all, else [0, 0]
+WIDEN_ENDS = "plan_widen_ends"  # int64 [1]: -1 with that pad, else the end of the axis
+KEPT_WIDEN_PADS = "plan_kept_widen_pads"  # int64 [2]: the same for the kept rows (one row, one kept slot)
+KEPT_WIDEN_ENDS = "plan_kept_widen_ends"  # int64 [1]
+WHOLE_AXIS = np.iinfo(np.int64).max
 # A graph that verifies trees places each token at its own slot of the op's query (op_slots):
 OP_INDEX = "plan_op_index"  # int64 [batch_size, seq_len, 2]: (row, op slot) of each of a row's tokens
 QUERY = "plan_query"  # int64 [1]: the op's query tokens per row
@@ -51,6 +59,10 @@ NAMES = (
     HIDDEN_PADS,
     OP_INDEX,
     QUERY,
+    WIDEN_PADS,
+    WIDEN_ENDS,
+    KEPT_WIDEN_PADS,
+    KEPT_WIDEN_ENDS,
 )
 
 
@@ -137,6 +149,10 @@ class CallPlan:
             HIDDEN_PADS: np.zeros(6, np.int64),
             OP_INDEX: np.zeros((rows, seq_len, 2), np.int64),
             QUERY: np.zeros(1, np.int64),
+            WIDEN_PADS: np.zeros(2, np.int64),
+            WIDEN_ENDS: np.full(1, WHOLE_AXIS, np.int64),
+            KEPT_WIDEN_PADS: np.zeros(2, np.int64),
+            KEPT_WIDEN_ENDS: np.full(1, WHOLE_AXIS, np.int64),
         }
         self.arrays = {name: array for name, array in arrays.items() if name in names}
         self._steps = list(range(1 - keep, 1))  # slot offsets from a row's last
@@ -185,6 +201,14 @@ class CallPlan:
         a[LOGITS_PADS][1] = skipped
         if HIDDEN_PADS in a:
             a[HIDDEN_PADS][4] = self.seq_len - seq
+        # A product of one row (one row of one token; one kept slot) is widened to two, every other runs as it is.
+        for pads, ends, count in (
+            (WIDEN_PADS, WIDEN_ENDS, len(rows) * seq),
+            (KEPT_WIDEN_PADS, KEPT_WIDEN_ENDS, len(rows) * (self.keep - skipped)),
+        ):
+            if pads in a:
+                a[pads][1] = 1 if count == 1 else 0
+                a[ends][0] = -1 if count == 1 else WHOLE_AXIS
 
 
 def plan_names(input_names: Collection[str]) -> list[str]:
