@@ -60,6 +60,12 @@ def train_head(
         int, typer.Option(help="MT-bench first turns answered for the learning curve only (never trained on).")
     ] = 16,
     ttt_steps: Annotated[int, typer.Option(help="eagle3: unroll steps of the training-time test.")] = 4,
+    parallel: Annotated[
+        int, typer.Option(help="eagle: also draft this many tokens in one head call (mask pairs); 0: chained only.")
+    ] = 0,
+    init_head: Annotated[
+        Optional[Path], typer.Option(help="eagle: start from this EAGLE-1 head (its weights and draft vocabulary).")
+    ] = None,
     taps: Annotated[
         Optional[str], typer.Option(help="eagle3: three layer ids, e.g. 2,15,27 (default 2,L/2,L-3).")
     ] = None,
@@ -110,6 +116,8 @@ def train_head(
             medusa_heads=medusa_heads,
             seed=seed,
             threads=threads,
+            parallel=parallel,
+            init_head=init_head,
         )
         distill = DistillOptions.create(
             prompts=prompts,

@@ -38,6 +38,7 @@ HEAD_MANIFEST = "head.json"
 HEAD_ONNX = "head.onnx"
 HEAD_ORT_ONNX = "head.ort.onnx"
 DRAFT_IDS_FILE = "draft_ids.npy"
+MASK_HIDDEN_FILE = "mask_hidden.npy"  # float32 [hidden]: a parallel EAGLE head's mask feature
 HEAD_MANIFEST_VERSION = 2  # 2: EAGLE's runtime graph fused (fusions, kv_slack, rope_positions)
 
 HeadWeightFormat = Literal["fp32", "int8", "int4"]  # MatMul weights of the runtime graph (tables: float16)
@@ -56,6 +57,10 @@ class HeadManifest(FrozenModel):
     vocab_size: int = Field(ge=1)  # the target's
     draft_vocab_size: int = Field(ge=1)
     draft_ids_file: str | None = None  # None: the draft vocabulary is the target's (identity)
+    # A parallel EAGLE head (qspec.heads.parallel): drafts per call, the mask pairs' token and feature file
+    parallel_depth: int | None = Field(default=None, ge=2)
+    mask_token_id: int | None = None
+    mask_hidden_file: str | None = None
     num_heads: int = Field(default=1, ge=1)  # Medusa heads (tokens per call); 1 for EAGLE
     num_layers: int = Field(default=1, ge=1)  # residual blocks per Medusa head; decoder layers of EAGLE; MTP layers
     programs: int = Field(default=1, ge=1)  # head graphs: one per MTP layer (head/, head/layer{i}/), else one

@@ -151,8 +151,9 @@ def test_eagle_manifest_and_files(eagle_package):
     assert [o.name for o in sess.get_outputs()] == manifest.output_names
     shapes = {v.name: v.shape for v in [*sess.get_inputs(), *sess.get_outputs()]}
     assert shapes[contract.HIDDEN_STATES] == ["batch_size", "seq_len", 64]
-    assert shapes[contract.LOGITS] == ["batch_size", 1, 7]
-    assert shapes[contract.HIDDEN_STATES_OUT] == ["batch_size", 1, 64]
+    # the runtime graph returns each row's last kept rows: one chained, K when a parallel head drafts in one call
+    assert shapes[contract.LOGITS] == ["batch_size", "kept_rows", 7]
+    assert shapes[contract.HIDDEN_STATES_OUT] == ["batch_size", "kept_rows", 64]
     assert shapes[contract.past_key(0)] == ["batch_size", 2, "ctx_len", 16]
     assert ctx_calls(manifest.path(package, manifest.graph)) == {"CtxScatter": 2, "CtxGather": 4}  # QEfficient's KV ops
 

@@ -46,6 +46,7 @@ WHOLE_AXIS = np.iinfo(np.int64).max
 # A graph that verifies trees places each token at its own slot of the op's query (op_slots):
 OP_INDEX = "plan_op_index"  # int64 [batch_size, seq_len, 2]: (row, op slot) of each of a row's tokens
 QUERY = "plan_query"  # int64 [1]: the op's query tokens per row
+KEPT_ROWS = "kept_rows"  # a draft head's kept slots per row (the symbol of KEPT_SLOTS' second axis)
 
 NAMES = (
     SEQLENS_K,
@@ -94,6 +95,8 @@ def add_inputs(
     import onnx_ir as ir
 
     keep = contract.NUM_LOGITS_TO_KEEP if contract.NUM_LOGITS_TO_KEEP in {v.name for v in graph.inputs} else 1
+    if not cut:  # a draft head's: one kept row a call when chained, K when it drafts K in one call
+        keep = KEPT_ROWS
     shapes = {
         SEQLENS_K: (ir.DataType.INT32, [contract.BATCH_SIZE]),
         QUERY_SEQLENS: (ir.DataType.INT32, [contract.BATCH_SIZE]),

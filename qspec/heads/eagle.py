@@ -25,6 +25,7 @@ from torch import nn
 from qspec import contract
 from qspec.common import with_umask
 from qspec.errors import ConfigError, ModelLoadError
+from qspec.heads import parallel
 from qspec.heads.checkpoint import (
     check_draft_ids,
     clean_config,
@@ -95,6 +96,7 @@ class EagleHead(nn.Module):
         self.lm_head = frozen_linear(draft_rows(lm_head, ids))
         self.register_buffer("draft_ids", ids, persistent=False)
         self.own_tables: frozenset[str] = frozenset()  # tables the checkpoint holds (saved back with it)
+        self.parallel = None  # ParallelDrafting: a head that also drafts K tokens in one call (heads/parallel.py)
 
     @property
     def draft_vocab_size(self) -> int:
@@ -178,6 +180,8 @@ def save_eagle(head: EagleHead, out_dir: str | Path, *, config=None, dtype: torc
     )
     if head.draft_ids is not None:
         values["draft_vocab_size"] = head.draft_vocab_size
+    if head.parallel is not None:
+        values[parallel.CONFIG_KEY] = head.parallel.model_dump()
     rope = values.get("rope_parameters") or {}
     if "rope_theta" not in values and "rope_theta" in rope:
         values["rope_theta"] = rope["rope_theta"]  # loaders before transformers 5 read it here
@@ -207,13 +211,16 @@ def load_eagle(head_dir: str | Path, target_model=None) -> EagleHead:
     tables = [own.get(name, fallback) for name, fallback in zip(TABLES, target_tables)]
     if any(table is None for table in tables):
         raise ModelLoadError(f"{folder} has no embed_tokens/lm_head of its own; load it with the target model")
-    values = {k: v for k, v in values.items() if k not in ("bias", "draft_vocab_size")}
+    settings = values.get(parallel.CONFIG_KEY)
+    values = {k: v for k, v in values.items() if k not in ("bias", "draft_vocab_size", parallel.CONFIG_KEY)}
     head = EagleHead(
         LlamaConfig.from_dict(values),
         *tables,
         draft_ids=ids_from_d2t(d2t) if d2t is not None else None,
         fc_bias="fc.bias" in weights,
     )
+    if settings is not None:
+        parallel.enable_parallel(head, parallel.ParallelDrafting(**settings))
     load_exact(head, weights, folder, skip=TABLES, problem="is not an EAGLE-1 head")
     head.own_tables = frozenset(own)
     return head.eval()

@@ -34,6 +34,7 @@ from qspec.head_manifest import (
     HEAD_MANIFEST,
     HEAD_ONNX,
     HEAD_ORT_ONNX,
+    MASK_HIDDEN_FILE,
     HeadManifest,
     HeadWeightFormat,
     program_dir,
@@ -46,7 +47,7 @@ Progress = Callable[[str], None]
 EMBED_TOKENS = "model.embed_tokens.weight"  # the target graph's initializer names (Hugging Face's)
 LM_HEAD = "lm_head.weight"
 # Bump when the head's graphs change (they are built from the head's files and this): see head_digest.
-HEAD_RECIPE_VERSION = 4
+HEAD_RECIPE_VERSION = 5  # 5: an EAGLE head graph keeps any number of rows per call (parallel drafting)
 
 
 # The target's tables ---------------------------------------------------------------------------------
@@ -178,6 +179,9 @@ def compile_head(
     if head.draft_ids is not None:
         draft_ids_file = DRAFT_IDS_FILE
         np.save(folder / DRAFT_IDS_FILE, head.draft_ids.numpy().astype(np.int64))
+    parallel = getattr(head, "parallel", None)
+    if parallel is not None:
+        np.save(folder / MASK_HIDDEN_FILE, head.mask_hidden.detach().float().numpy())
     manifest = HeadManifest(
         method=kind.method,
         layout=kind.layout,
@@ -188,6 +192,9 @@ def compile_head(
         vocab_size=vocab,
         draft_vocab_size=head.draft_vocab_size,
         draft_ids_file=draft_ids_file,
+        parallel_depth=parallel.depth if parallel else None,
+        mask_token_id=parallel.mask_token_id if parallel else None,
+        mask_hidden_file=MASK_HIDDEN_FILE if parallel else None,
         **kind.manifest_fields(head, config),
         full_batch_size=config.full_batch_size,
         continuous_batching=config.continuous_batching,

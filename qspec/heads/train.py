@@ -42,8 +42,20 @@ class TrainOptions(FrozenModel):
     noise: float = Field(default=0.0, ge=0)  # EAGLE: uniform noise on input features, +-noise
     medusa_heads: int = Field(default=3, ge=1)
     held_out: float = Field(default=0.05, ge=0, lt=1)  # share of sequences kept out for the learning curve
+    # EAGLE: also draft this many tokens in one call (mask pairs, qspec.heads.parallel); 0: chained only
+    parallel: int = Field(default=0, ge=0)
+    parallel_anchors: int = Field(default=64, ge=1)  # mask groups trained per sequence and batch
+    init_head: Path | None = None  # EAGLE: start from this EAGLE-1 head (its weights and draft vocabulary)
     seed: int = 0
     threads: int | None = None
+
+
+def mask_token(config) -> int:
+    """The token a parallel head's mask pairs embed: the model's end-of-text token (any fixed token serves; the
+    learned mask feature carries the rest), else 0."""
+    eos = getattr(config, "eos_token_id", None)
+    eos = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
+    return int(eos) if isinstance(eos, int) else 0
 
 
 def load_features(paths: list[Path], lm_head=None, say: Progress | None = None) -> dict:
@@ -256,11 +268,15 @@ def train_head(
     held-out one (``chain_accuracy``): the learning curve on data the head never trains on."""
     import torch
 
-    from qspec.heads import modules
+    from qspec.heads import modules, parallel
 
     say = progress or (lambda message: None)
     if options.method not in ("eagle", "medusa"):
         raise ConfigError(f"method {options.method!r}: use eagle or medusa")
+    if (options.parallel or options.init_head) and options.method != "eagle":
+        raise ConfigError("--parallel and --init-head are for --method eagle")
+    if options.parallel == 1:
+        raise ConfigError("--parallel 1 drafts one token, as a chained head does: give 2 or more (or 0)")
     torch.manual_seed(options.seed)
     if options.threads:
         torch.set_num_threads(options.threads)
@@ -268,14 +284,23 @@ def train_head(
     train_ids, held_ids = _split(data, options.held_out, options.seed)
     eval_sets = {name: load_features(paths) for name, paths in (evals or {}).items()}
     vocab = target_model.config.vocab_size
-    draft_ids = draft_vocabulary(data, options.draft_vocab)
+    init = modules.load_eagle(options.init_head, target_model).train() if options.init_head else None
+    if init is not None and init.draft_ids is not None:
+        draft_ids = init.draft_ids.numpy()
+    else:
+        draft_ids = draft_vocabulary(data, options.draft_vocab) if init is None else np.arange(vocab)
     t2d = np.full(vocab, IGNORE, np.int64)
     t2d[draft_ids] = np.arange(len(draft_ids))
     ids_t = torch.from_numpy(draft_ids)
-    if options.method == "eagle":
+    if init is not None:
+        head = init
+    elif options.method == "eagle":
         head = modules.eagle_from_target(target_model, draft_ids=ids_t)
     else:
         head = modules.medusa_from_target(target_model, num_heads=options.medusa_heads, draft_ids=ids_t)
+    if options.parallel and getattr(head, "parallel", None) is None:
+        settings = parallel.ParallelDrafting(depth=options.parallel, mask_token_id=mask_token(target_model.config))
+        parallel.enable_parallel(head, settings, torch.from_numpy(data["features"].mean(0, dtype=np.float64)))
     params = head.trainable_parameters()
     optimizer = torch.optim.AdamW(params, lr=options.lr, weight_decay=0.0)
     batches_per_epoch = math.ceil(len(train_ids) / options.batch_sequences)
@@ -307,7 +332,17 @@ def train_head(
         epoch_begin = time.perf_counter()
         for b in range(batches_per_epoch):
             chunk = order[b * options.batch_sequences : (b + 1) * options.batch_sequences]
-            if options.method == "eagle":
+            if options.parallel:
+                loss, parts = parallel.parallel_loss(
+                    head,
+                    eagle_batch(data, chunk, t2d),
+                    anchors=options.parallel_anchors,
+                    cls_weight=options.cls_weight,
+                    ignore=IGNORE,
+                    generator=generator,
+                    noise=options.noise,
+                )
+            elif options.method == "eagle":
                 loss, parts = _eagle_loss(head, eagle_batch(data, chunk, t2d), options, generator)
             else:
                 loss, parts = _medusa_loss(
@@ -339,6 +374,17 @@ def train_head(
         if eval_sets:
             entry["chain_accuracy"] = {
                 name: [round(a, 4) for a in evaluate(head, d, list(range(len(d["starts"]) - 1)), t2d)]
+                for name, d in eval_sets.items()
+            }
+        if options.parallel:  # the same positions' drafts from one call each
+            entry["held_out_one_call_accuracy"] = [
+                round(a, 4) for a in parallel.evaluate_parallel(head, data, held_ids, sequence=_sequence)
+            ]
+            entry["one_call_accuracy"] = {
+                name: [
+                    round(a, 4)
+                    for a in parallel.evaluate_parallel(head, d, list(range(len(d["starts"]) - 1)), sequence=_sequence)
+                ]
                 for name, d in eval_sets.items()
             }
         log["epochs"].append(entry)

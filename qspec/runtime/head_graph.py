@@ -37,12 +37,13 @@ class HeadGraph:
         self.plan_names = ort_plan.plan_names(names)  # a one-slot EAGLE head's (qspec.heads.ort_graph)
         self._bound: dict[tuple, _Bound] = {}  # input shapes -> their binding (a few: rows x widths)
 
-    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """One call; the outputs are the graph's, valid until the next call of the same input shapes."""
-        key = tuple((name, value.shape) for name, value in feeds.items())
+    def run(self, feeds: dict[str, np.ndarray], *, keep: int = 1) -> dict[str, np.ndarray]:
+        """One call; the outputs are the graph's, valid until the next call of the same input shapes. ``keep``:
+        each row's last live rows returned (a one-slot EAGLE head's; a parallel head's K drafts)."""
+        key = (keep, *((name, value.shape) for name, value in feeds.items()))
         bound = self._bound.get(key)
         if bound is None:
-            self._bound[key] = bound = self._bind(feeds)  # runs the call
+            self._bound[key] = bound = self._bind(feeds, keep)  # runs the call
             return bound.outputs
         for name, value in feeds.items():
             np.copyto(bound.inputs[name], value)
@@ -51,7 +52,7 @@ class HeadGraph:
         self.session.run_with_iobinding(bound.binding)
         return bound.outputs
 
-    def _bind(self, feeds: dict[str, np.ndarray]) -> _Bound:
+    def _bind(self, feeds: dict[str, np.ndarray], keep: int) -> _Bound:
         """An IO binding for calls of ``feeds``' shapes, made by running the call on ``feeds``: host arrays for the
         inputs, and for the outputs once that call has given their shapes (and values); the KV cache in place."""
         binding = self.session.io_binding()
@@ -59,7 +60,7 @@ class HeadGraph:
         plan = None
         if self.plan_names:
             positions = inputs[contract.POSITION_IDS]
-            plan = ort_plan.CallPlan(positions.shape[0], positions.shape[1], 1, self.plan_names)
+            plan = ort_plan.CallPlan(positions.shape[0], positions.shape[1], keep, self.plan_names)
             plan.write(positions)
         keep = [ort.OrtValue.ortvalue_from_numpy(value) for value in inputs.values()]
         for name, value in zip(inputs, keep):

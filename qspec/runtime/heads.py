@@ -32,7 +32,7 @@ import numpy as np
 
 from qspec import contract
 from qspec.errors import ConfigError
-from qspec.head_manifest import HeadManifest, has_head, read_draft_ids, read_head_manifest
+from qspec.head_manifest import MASK_HIDDEN_FILE, HeadManifest, has_head, read_draft_ids, read_head_manifest
 from qspec.runtime.head_graph import HeadGraph
 from qspec.runtime.head_rows import HeadRequest, HeadRow, softmax_top
 from qspec.runtime.load import load_head_graph
@@ -159,6 +159,15 @@ class EagleProposer(HiddenStateProposer):
         self.widths = call_widths(widths)
         self.chain = list(chain) or [head]  # the graph of each draft depth, cycled (MTP layers; class doc)
         self.chain_ms = 0.0  # running mean of a row's share of a chained call (what a further draft costs)
+        self.parallel: tuple[int, int, np.ndarray] | None = None  # (depth, mask token, mask feature): draft_in_one_call
+
+    def draft_in_one_call(self, depth: int, mask_token_id: int, mask_hidden: np.ndarray) -> None:
+        """Draft up to ``depth`` tokens in the catch-up call itself, mask pairs after a row's last pair
+        (:mod:`qspec.heads.parallel`), instead of one chained call per further draft."""
+        if not self.head.plan_names:
+            raise ConfigError("parallel drafting needs the one-slot head graph (a package without continuous batching)")
+        self.parallel = (depth, mask_token_id, np.asarray(mask_hidden, np.float32).reshape(self.hidden_size))
+        self.chained = False
 
     @classmethod
     def from_manifest(cls, graphs: list[HeadGraph], draft_ids, manifest: HeadManifest, *, threshold: float):
@@ -204,9 +213,15 @@ class EagleProposer(HiddenStateProposer):
         return out
 
     def _call(
-        self, rows: list[HeadRow], pieces: list[tuple[list[int], np.ndarray, int]], graph: HeadGraph | None = None
+        self,
+        rows: list[HeadRow],
+        pieces: list[tuple[list[int], np.ndarray, int]],
+        graph: HeadGraph | None = None,
+        *,
+        keep: int = 1,
     ) -> dict[str, np.ndarray]:
-        """One head call: row i writes ``(tokens, hidden, start)`` = ``pieces[i]`` at positions ``start, ...``."""
+        """One head call: row i writes ``(tokens, hidden, start)`` = ``pieces[i]`` at positions ``start, ...``;
+        the outputs hold each row's last ``keep`` rows."""
         longest = max(len(tokens) for tokens, _, _ in pieces)
         width = next((w for w in self.widths if w >= longest), longest)
         n = len(rows)
@@ -221,27 +236,41 @@ class EagleProposer(HiddenStateProposer):
         graph = graph or self.head
         if graph.batch_index:
             feeds[contract.BATCH_INDEX] = np.asarray([[row.request.row] for row in rows], np.int64)
-        return graph.run(feeds)
+        return graph.run(feeds, keep=keep) if keep > 1 else graph.run(feeds)
 
     def _catch_up(self, rows: list[HeadRow]) -> None:
         """Write every row's pairs ``(f_t, x_{t+1})`` not yet cached, widest shape first; the last call of a row
         gives its first draft."""
-        limit = self.widths[-1]
+        depth, mask_token, mask_hidden = self.parallel or (1, 0, None)
+        limit = max(1, self.widths[-1] - (depth - 1))
         while True:
             todo = [row for row in rows if row.request.cached < min(row.request.known, len(row.request.tokens) - 1)]
             if not todo:
                 break
-            pieces = []
+            pieces, masks = [], []
             for row in todo:
                 r = row.request
-                end = min(r.known, len(r.tokens) - 1, r.cached + limit)
-                pieces.append((r.tokens[r.cached + 1 : end + 1], r.hidden[r.cached : end], r.cached))
-            out = self._call(todo, pieces)
+                last = min(r.known, len(r.tokens) - 1)
+                end = min(last, r.cached + limit)
+                tokens, hidden = r.tokens[r.cached + 1 : end + 1], r.hidden[r.cached : end]
+                count = min(depth, row.cap) - 1 if end == last else 0  # mask pairs after the row's last pair
+                if count > 0:
+                    tokens = tokens + [mask_token] * count
+                    hidden = np.concatenate((hidden, np.broadcast_to(mask_hidden, (count, self.hidden_size))))
+                pieces.append((tokens, hidden, r.cached))
+                masks.append(max(count, 0))
+            out = self._call(todo, pieces, keep=depth)
             for i, row in enumerate(todo):
                 r = row.request
-                r.cached += len(pieces[i][0])
+                r.cached += len(pieces[i][0]) - masks[i]  # the mask pairs' cache rows are overwritten next step
                 if r.cached == min(r.known, len(r.tokens) - 1):  # this call held the row's last pair
-                    self._take(row, out[contract.LOGITS][i, -1], out[contract.HIDDEN_STATES_OUT][i, -1])
+                    logits, features = out[contract.LOGITS][i], out[contract.HIDDEN_STATES_OUT][i]
+                    for j in range(depth - 1 - masks[i], depth):  # the last pair's row, then the mask pairs'
+                        if j > depth - 1 - masks[i] and not row.going:
+                            break
+                        self._take(row, logits[j], features[j])
+                    if self.parallel:
+                        row.going = False  # every draft came from this call
         for row in rows:
             if row.feature is None:  # nothing new since the last step (cannot happen after a verify)
                 row.going = False
@@ -394,9 +423,11 @@ def load_head_proposer(
     draft_confidence_threshold: float | None = None,
     num_threads: int | None = 1,
     tree_width: int | None = None,
+    parallel_drafting: bool = True,
 ) -> HiddenStateProposer:
     """The ``method`` proposer of ``package``'s draft head (``qspec compile --draft-head``); ``tree_width`` 2: an
-    EAGLE head also offers its runner-up for the first draft, beside the chain (a tree, :mod:`qspec.runtime.layout`)."""
+    EAGLE head also offers its runner-up for the first draft, beside the chain (a tree, :mod:`qspec.runtime.layout`).
+    A head trained to draft in one call (:mod:`qspec.heads.parallel`) does so unless ``parallel_drafting`` is False."""
     if tree_width is not None and tree_width not in (1, 2):
         raise ConfigError(f"tree_width {tree_width}: use 1 (a chain) or 2 (the head's runner-up at depth 1)")
     method = HEAD_METHOD_ALIASES.get(method, method)
@@ -425,4 +456,8 @@ def load_head_proposer(
         if not isinstance(proposer, EagleProposer):
             raise ConfigError(f"tree_width {tree_width} is for an EAGLE head; {manifest.method} drafts chains")
         proposer.tree_width = tree_width
+    # A head graph with continuous batching (batch_index, no host plan) returns one row a call: it drafts chained.
+    if manifest.parallel_depth and parallel_drafting and isinstance(proposer, EagleProposer) and graphs[0].plan_names:
+        mask = np.load(manifest.path(package, manifest.mask_hidden_file or MASK_HIDDEN_FILE))
+        proposer.draft_in_one_call(manifest.parallel_depth, manifest.mask_token_id or 0, mask)
     return proposer

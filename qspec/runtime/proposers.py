@@ -322,7 +322,7 @@ HEAD_METHODS = (*HEAD_PROPOSERS, *(f"{method}+pld" for method in HEAD_PROPOSERS)
 METHOD_ALIASES = {"ngram": "pld"} | {
     alias + plus: method + plus for alias, method in HEAD_METHOD_ALIASES.items() for plus in ("", "+pld")
 }
-_HEAD_KNOBS = ("package", "draft_confidence_threshold", "num_threads", "tree_width")
+_HEAD_KNOBS = ("package", "draft_confidence_threshold", "num_threads", "tree_width", "parallel_drafting")
 _LOOKUP_KNOBS = ("prompt_lookup_min", "prompt_lookup_max")
 # method -> (factory, its knobs, the knobs it cannot do without)
 _PROPOSERS: dict[str, tuple[Callable[..., Proposer], tuple[str, ...], tuple[str, ...]]] = {

@@ -1,0 +1,214 @@
+"""Single-call (parallel) drafting with an EAGLE-1 head (qspec.heads.parallel): the mask slots' arithmetic against
+the head's own forward, the checkpoint, ``train-head --parallel`` on a tiny model whose next token is a function of
+the current one (tests/test_heads_e2e.py), and greedy output equal to ``none`` with every draft of a step from one
+head call, fp32 and int4, one row and two rows a call."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from qspec.heads.eagle import EagleHead, eagle_config, load_eagle, save_eagle
+from qspec.heads.parallel import ParallelDrafting, enable_parallel, group_forward, slot_labels
+from qspec.runtime import Engine, SamplingParams
+from tests.test_heads_e2e import PROMPTS, compile_tiny
+
+
+def random_head(depth: int = 3) -> EagleHead:
+    from tests.conftest import tiny_config
+
+    torch.manual_seed(1)
+    config = eagle_config(tiny_config("llama"))
+    vocab, hidden = config.vocab_size, config.hidden_size
+    head = EagleHead(config, torch.randn(vocab, hidden), torch.randn(vocab, hidden))
+    with torch.no_grad():
+        for param in head.parameters():
+            if param.requires_grad:
+                param.normal_(0, 0.2)
+    return enable_parallel(head, ParallelDrafting(depth=depth, mask_token_id=3), torch.randn(hidden)).eval()
+
+
+def test_mask_slots_are_the_heads_forward_over_mask_pairs():
+    """Slot s of anchor t is the head's own causal forward over pairs 0..t and s + 1 mask pairs (the mask token's
+    embedding, the mask feature) at positions t + 1 .. t + 1 + s; the verified pairs' rows are its forward over
+    them alone. Two anchors of one sequence and an empty anchor in a batch of two."""
+    head = random_head(depth=4)
+    n, hidden = 9, head.fc.weight.shape[0]
+    ids = torch.randint(0, head.embed_tokens.weight.shape[0], (2, n))
+    feats = torch.randn(2, n, hidden)
+    anchors = torch.tensor([[2, 6], [5, -1]])
+    with torch.no_grad():
+        real, slots = group_forward(head, ids, feats, anchors)
+        np.testing.assert_allclose(
+            real.numpy(), head(ids, feats, torch.arange(n).expand(2, n)).numpy(), atol=1e-4, rtol=1e-5
+        )
+        for row, t in ((0, 2), (0, 6), (1, 5)):
+            a = anchors[row].tolist().index(t)
+            masks = 3
+            seq_ids = torch.cat((ids[row, : t + 1], torch.full((masks,), 3)))[None]
+            seq_feats = torch.cat((feats[row, : t + 1], head.mask_hidden.expand(masks, hidden)))[None]
+            expected = head(seq_ids, seq_feats, torch.arange(t + 1 + masks)[None])[0, t + 1 :]
+            np.testing.assert_allclose(slots[row, a].numpy(), expected.numpy(), atol=1e-4, rtol=1e-5)
+
+
+def test_slot_labels_are_the_pairs_after_the_anchor():
+    """Slot s of anchor t learns pair t + 1 + s's label (the greedy token after x_{t + s + 2}); none past the end."""
+    labels = torch.arange(10, 16)[None]  # pairs 0..5
+    assert slot_labels(labels, torch.tensor([[1, 4, -1]]), 3, -100).tolist() == [
+        [[12, 13, 14], [15, -100, -100], [-100, -100, -100]]
+    ]
+
+
+def test_a_parallel_head_keeps_its_mask_and_settings_in_its_checkpoint(tmp_path):
+    """EAGLE-1's files plus ``mask_hidden`` and ``parallel_drafting`` in config.json; loaded back alike."""
+    head = random_head()
+    folder = save_eagle(head, tmp_path / "head", dtype=torch.float32)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["parallel_drafting"] == {"depth": 3, "mask_token_id": 3}
+
+    class Target:
+        def get_input_embeddings(self):
+            return head.embed_tokens
+
+        def get_output_embeddings(self):
+            return head.lm_head
+
+    loaded = load_eagle(folder, Target())
+    assert loaded.parallel == head.parallel
+    torch.testing.assert_close(loaded.mask_hidden, head.mask_hidden)
+
+
+@pytest.fixture(scope="module")
+def parallel_head(tmp_path_factory):
+    """A head trained by ``qspec train-head --parallel 3`` on the tiny next-token-of-the-current-token model."""
+    from qspec_cli.main import app
+    from typer.testing import CliRunner
+
+    root = tmp_path_factory.mktemp("parallel")
+    target = _markov(root / "markov")
+    package = compile_tiny(target, root / "hs", hidden_states=True)
+    args = ["train-head", str(package), "--output", str(root / "head"), "--method", "eagle", "--parallel", "3"]
+    args += ["--prompts", "40", "--dialogues", "40", "--max-new-tokens", "40", "--epochs", "8", "--magpie", "0"]
+    args += ["--draft-vocab", "320", "--lr", "3e-3", "--work-dir", str(root / "work"), "--eval-mt-bench", "0"]
+    args += ["--json"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    return target, root / "head", json.loads(result.output[result.output.index("{") :])
+
+
+def _markov(folder):
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import byte_tokenizer, tiny_config
+
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(tiny_config("llama", tie=False))
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if param.dim() > 1:
+                param.normal_(0, 0.3)
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                param.zero_()
+    hf.save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def test_parallel_training_learns_every_depth(parallel_head):
+    """The log has one call's accuracy at depths 1..3 beside the chained one; depth 1 learns, deeper is a
+    subset of it."""
+    _, folder, log = parallel_head
+    last = log["epochs"][-1]
+    one_call = last["held_out_one_call_accuracy"]
+    assert len(one_call) == 3 and one_call[0] > 0.2 and one_call[0] >= one_call[1] >= one_call[2] >= 0
+    assert "ce_slot2" in last["train"]
+    assert json.loads((folder / "config.json").read_text())["parallel_drafting"]["depth"] == 3
+
+
+class CallCounter:
+    """Counts a head graph's calls by how many rows each keeps."""
+
+    def __init__(self, graph):
+        self.graph, self.calls, self.run = graph, [], graph.run
+
+        def run(feeds, *, keep: int = 1):
+            self.calls.append(keep)
+            return self.run(feeds, keep=keep)
+
+        graph.run = run
+
+
+@pytest.mark.parametrize("weight_format", ["fp32", "int4"])
+def test_one_call_drafting_is_greedy(parallel_head, tmp_path, weight_format):
+    """Greedy output with the parallel head equals `none` of the same package (cover and auto dispatch), every
+    head call keeping three rows (no chained call), calls verifying three drafts; with ``parallel_drafting=False``
+    the same head drafts chained (one-row calls), output again `none`'s."""
+    target, folder, _ = parallel_head
+    package = compile_tiny(target, tmp_path / "p", weight_format=weight_format, draft_head=str(folder))
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    plain = [o.token_ids for o in Engine(package, method="none").generate(PROMPTS, params)]
+    reached = {}
+    for dispatch in ("cover", "auto"):  # cover: every draft the head has, whatever its probability
+        threshold = 0.0 if dispatch == "cover" else None
+        engine = Engine(package, method="eagle", dispatch=dispatch, draft_confidence_threshold=threshold)
+        counter = CallCounter(engine.proposer.head)
+        assert [o.token_ids for o in engine.generate(PROMPTS, params)] == plain, dispatch
+        assert counter.calls and set(counter.calls) == {3}, dispatch  # one call a step drafts every token
+        reached[dispatch] = engine.last_metrics.reached_per_position
+    assert len(reached["cover"]) == 3 and reached["cover"][1] > 0, reached  # three drafts a call verified
+    chained = Engine(package, method="eagle", dispatch="cover", parallel_drafting=False)
+    counter = CallCounter(chained.proposer.head)
+    assert [o.token_ids for o in chained.generate(PROMPTS, params)] == plain
+    assert set(counter.calls) == {1}
+
+
+def test_continuous_batching_drafts_chained_and_greedy(parallel_head, tmp_path):
+    """Four KV slots (the head graph takes batch_index and returns one row a call): the parallel head drafts chained,
+    six requests' outputs equal `none` at batch 1."""
+    target, folder, _ = parallel_head
+    package = compile_tiny(target, tmp_path / "p", fbs=4, draft_head=str(folder))
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    prompts = PROMPTS + [[7, 7, 8, 9, 10], list(range(60, 75))]
+    plain = [o.token_ids for o in Engine(package, method="none", max_batch_size=1).generate(prompts, params)]
+    engine = Engine(package, method="eagle")
+    counter = CallCounter(engine.proposer.head)
+    assert [o.token_ids for o in engine.generate(prompts, params)] == plain
+    assert set(counter.calls) == {1} and engine.proposer.parallel is None
+
+
+def test_the_packages_head_graph_drafts_as_the_trained_head(parallel_head, tmp_path):
+    """One call of the package's head graph keeping three rows (the last pair's and two mask pairs') gives the
+    trained head's logits over the same pairs and mask pairs (fp32 MatMuls; its weights stored in float16)."""
+    from qspec.head_manifest import read_head_manifest
+    from qspec.runtime.heads import load_head_proposer
+
+    target, folder, _ = parallel_head
+    package = compile_tiny(target, tmp_path / "p", draft_head=str(folder), draft_head_weight_format="fp32")
+    manifest = read_head_manifest(package)
+    settings = json.loads((folder / "config.json").read_text())["parallel_drafting"]
+    assert (manifest.parallel_depth, manifest.mask_token_id) == (3, settings["mask_token_id"])
+    graph = load_head_proposer("eagle", package).head
+    head = load_eagle(folder, _tables(target))
+    hidden = head.fc.weight.shape[0]
+    rng = np.random.default_rng(0)
+    n = 7
+    mask = manifest.mask_token_id
+    ids = np.concatenate((rng.integers(0, 300, n), [mask, mask]))[None].astype(np.int64)
+    feats = np.concatenate(
+        (rng.standard_normal((n, hidden)), np.load(package / "head" / "mask_hidden.npy")[None].repeat(2, 0))
+    )
+    feats = feats[None].astype(np.float32)
+    out = graph.run({"input_ids": ids, "position_ids": np.arange(n + 2)[None], "hidden_states": feats}, keep=3)
+    with torch.no_grad():
+        expected = head.logits(head(torch.from_numpy(ids), torch.from_numpy(feats), torch.arange(n + 2)[None]))[0, -3:]
+    np.testing.assert_allclose(out["logits"][0], expected.numpy(), atol=2e-2, rtol=2e-2)
+    assert (out["logits"][0].argmax(-1) == expected.numpy().argmax(-1)).all()
+
+
+def _tables(folder):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder)
