@@ -313,7 +313,12 @@ def train_head(
     output.mkdir(parents=True, exist_ok=True)
     state_path = (state_dir or output) / f"train_state-{options.method}.pt"
     state_path.parent.mkdir(parents=True, exist_ok=True)
-    log = {"options": options.model_dump(), "train_sequences": len(train_ids), "held_out": len(held_ids), "epochs": []}
+    log = {
+        "options": options.model_dump(mode="json"),
+        "train_sequences": len(train_ids),
+        "held_out": len(held_ids),
+        "epochs": [],
+    }
     start_epoch = 0
     if state_path.is_file():
         state = torch.load(state_path, weights_only=False)

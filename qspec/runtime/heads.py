@@ -41,6 +41,9 @@ from qspec.runtime.sampling import SamplingParams
 from qspec.specializations import Specialization
 
 CHAIN_MS_DECAY = 0.1  # weight of the newest chained call in EagleProposer.chain_ms
+# A parallel head whose mask drafts dispatch would not verify drafts chained (as EAGLE-1) and tries its mask pairs
+# again after this many steps (EagleProposer.draft_in_one_call).
+MASK_RETRY_STEPS = 16
 DEFAULT_THRESHOLD = 0.5  # a chain of drafts less likely than this (product of probabilities) ends the row's drafts
 
 
@@ -160,14 +163,19 @@ class EagleProposer(HiddenStateProposer):
         self.chain = list(chain) or [head]  # the graph of each draft depth, cycled (MTP layers; class doc)
         self.chain_ms = 0.0  # running mean of a row's share of a chained call (what a further draft costs)
         self.parallel: tuple[int, int, np.ndarray] | None = None  # (depth, mask token, mask feature): draft_in_one_call
+        self.masks_pay, self.steps_without_masks = True, 0
 
     def draft_in_one_call(self, depth: int, mask_token_id: int, mask_hidden: np.ndarray) -> None:
         """Draft up to ``depth`` tokens in the catch-up call itself, mask pairs after a row's last pair
-        (:mod:`qspec.heads.parallel`), instead of one chained call per further draft."""
+        (:mod:`qspec.heads.parallel`), instead of one chained call per further draft.
+
+        Mask pairs widen the call (SmolLM2's head, one thread: 0.9 ms at width 2, 1.7 ms at 5): when the engine's
+        dispatch would verify none of a step's mask drafts (``limit_depth``), the next steps draft chained, as an
+        EAGLE-1 head (whose further calls the dispatch prices one by one), and try mask pairs again after
+        ``MASK_RETRY_STEPS``."""
         if not self.head.plan_names:
             raise ConfigError("parallel drafting needs the one-slot head graph (a package without continuous batching)")
         self.parallel = (depth, mask_token_id, np.asarray(mask_hidden, np.float32).reshape(self.hidden_size))
-        self.chained = False
 
     @classmethod
     def from_manifest(cls, graphs: list[HeadGraph], draft_ids, manifest: HeadManifest, *, threshold: float):
@@ -242,6 +250,10 @@ class EagleProposer(HiddenStateProposer):
         """Write every row's pairs ``(f_t, x_{t+1})`` not yet cached, widest shape first; the last call of a row
         gives its first draft."""
         depth, mask_token, mask_hidden = self.parallel or (1, 0, None)
+        if depth > 1 and not (self.masks_pay or self.steps_without_masks >= MASK_RETRY_STEPS):
+            depth = 1  # this step drafts chained
+        self.steps_without_masks = 0 if depth > 1 else self.steps_without_masks + 1
+        paid = tried = False
         limit = max(1, self.widths[-1] - (depth - 1))
         while True:
             todo = [row for row in rows if row.request.cached < min(row.request.known, len(row.request.tokens) - 1)]
@@ -269,11 +281,23 @@ class EagleProposer(HiddenStateProposer):
                         if j > depth - 1 - masks[i] and not row.going:
                             break
                         self._take(row, logits[j], features[j])
-                    if self.parallel:
+                    if depth > 1:
                         row.going = False  # every draft came from this call
+                        tried = tried or masks[i] > 0
+                        paid = paid or self._verified_past_first(row)
+        if tried:  # a step whose rows had room for one draft only says nothing of the mask pairs
+            self.masks_pay = paid
         for row in rows:
             if row.feature is None:  # nothing new since the last step (cannot happen after a verify)
                 row.going = False
+
+    def _verified_past_first(self, row: HeadRow) -> bool:
+        """Whether the engine's dispatch would verify more than the first of ``row``'s drafts."""
+        if len(row.drafts) < 2:
+            return False
+        if self.depth_limit is None:
+            return True
+        return self.depth_limit(row.proposal(), row.cap, row.request.greedy, 0.0) > 1
 
     def _take(self, row: HeadRow, logits: np.ndarray, feature: np.ndarray) -> None:
         """Keep the head's draft unless the chain it ends is below the threshold (the first draft is always
