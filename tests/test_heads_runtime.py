@@ -170,7 +170,7 @@ def test_medusa_reads_the_newest_hidden_state_and_cuts_at_the_first_unsure_head(
 def test_lookup_first_takes_long_matches_and_the_head_elsewhere():
     """``eagle+pld``: history ``7 8 9 3 7 8 9`` continues a 3-gram (lookup drafts 3, 7, 8); ``0 1 2 3 4`` matches
     nothing long (the head drafts 6, 7 after first token 5), and the head catches up on the steps it skipped."""
-    from qspec.runtime.heads import LookupFirstProposer
+    from qspec.runtime.lookup_first import LookupFirstProposer
     from qspec.runtime.proposers import PromptLookupProposer
 
     head = ScriptedHead()

@@ -326,7 +326,7 @@ def head_replays_of(
 
 def _replay_config(method, model, prompts, outputs, hidden, k: int, micro, weight_format: str):
     """One head method's :func:`replay_head` on ``model``'s package with a fresh proposer."""
-    from qspec.runtime.heads import LookupFirstProposer
+    from qspec.runtime.lookup_first import LookupFirstProposer
 
     proposer = make_proposer(method, package=model.package)
     proposer.check_target(vocab_size=model.vocab_size, ctx_len=model.ctx_len, num_slots=1)

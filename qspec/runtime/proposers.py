@@ -297,7 +297,8 @@ def _head_proposer(method: str) -> Callable[..., Proposer]:
     """``eagle``/``medusa``: the package's head; ``eagle+pld``/``medusa+pld``: prompt lookup first."""
 
     def make(prompt_lookup_min: int | None = None, prompt_lookup_max: int | None = None, **knobs: Any) -> Proposer:
-        from qspec.runtime.heads import LookupFirstProposer, load_head_proposer  # loads a graph: only when asked
+        from qspec.runtime.heads import load_head_proposer  # loads a graph: only when asked
+        from qspec.runtime.lookup_first import LookupFirstProposer
 
         head = load_head_proposer(method.removesuffix("+pld"), **knobs)
         if not method.endswith("+pld"):
