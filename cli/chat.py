@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 from pathlib import Path
@@ -91,6 +92,9 @@ def _loop(engine, conversation, params, *, stats: bool) -> None:
     from qspec.errors import ConfigError
 
     _enable_line_editing()
+    # Ctrl-C stops an answer even when qspec was started with SIGINT ignored (nohup, a parent that ignores it:
+    # Python then installs no handler of its own)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     while (line := _read_line()) is not None:
         text = line.strip()
         if not text:
