@@ -38,9 +38,9 @@ def compile_tiny(model, folder, *, ks=EAGLE_KS, fbs=None, weight_format="fp32", 
     return package
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    """A tiny untied Llama whose layers add nothing to the residual stream: next token = g(current token)."""
+def markov_model(folder):
+    """Write a tiny untied Llama whose layers add nothing to the residual stream (next token = g(current token))
+    to ``folder``; returns it."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -54,10 +54,15 @@ def model(tmp_path_factory):
                 param.normal_(0, 0.3)
             if name.endswith(("o_proj.weight", "down_proj.weight")):
                 param.zero_()
-    folder = tmp_path_factory.mktemp("markov")
     hf.save_pretrained(folder)
     byte_tokenizer().save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """A tiny untied Llama whose next greedy token depends on the current token only (:func:`markov_model`)."""
+    return markov_model(tmp_path_factory.mktemp("markov"))
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import torch
 from qspec.heads.eagle import EagleHead, eagle_config, load_eagle, save_eagle
 from qspec.heads.parallel import ParallelDrafting, enable_parallel, group_forward, slot_labels
 from qspec.runtime import Engine, SamplingParams
-from tests.test_heads_e2e import PROMPTS, compile_tiny
+from tests.test_heads_e2e import PROMPTS, compile_tiny, markov_model
 
 
 def random_head(depth: int = 3) -> EagleHead:
@@ -88,7 +88,7 @@ def parallel_head(tmp_path_factory):
     from typer.testing import CliRunner
 
     root = tmp_path_factory.mktemp("parallel")
-    target = _markov(root / "markov")
+    target = markov_model(root / "markov")
     package = compile_tiny(target, root / "hs", hidden_states=True)
     args = ["train-head", str(package), "--output", str(root / "head"), "--method", "eagle", "--parallel", "3"]
     args += ["--prompts", "40", "--dialogues", "40", "--max-new-tokens", "40", "--epochs", "8", "--magpie", "0"]
@@ -97,24 +97,6 @@ def parallel_head(tmp_path_factory):
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     return target, root / "head", json.loads(result.output[result.output.index("{") :])
-
-
-def _markov(folder):
-    from transformers import AutoModelForCausalLM
-
-    from tests.conftest import byte_tokenizer, tiny_config
-
-    torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(tiny_config("llama", tie=False))
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            if param.dim() > 1:
-                param.normal_(0, 0.3)
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
-                param.zero_()
-    hf.save_pretrained(folder)
-    byte_tokenizer().save_pretrained(folder)
-    return folder
 
 
 def test_parallel_training_learns_every_depth(parallel_head):

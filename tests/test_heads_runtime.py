@@ -20,7 +20,8 @@ class ScriptedHead:
         self.calls = []
         self.probs = probs or {}
 
-    def run(self, feeds):
+    def run(self, feeds, *, keep: int = 1):
+        assert keep == 1  # a chained head's calls keep each row's last row (HeadGraph.run)
         ids, pos, hidden = feeds[contract.INPUT_IDS], feeds[contract.POSITION_IDS], feeds[contract.HIDDEN_STATES]
         self.calls.append((ids.copy(), pos.copy(), hidden.copy()))
         rows = ids.shape[0]

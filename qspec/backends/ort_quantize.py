@@ -189,18 +189,13 @@ def widen_one_row_matmuls(model) -> int:
     axes, starts = constant("widen_axes", [-2]), constant("widen_starts", [0])
     if ort_plan.SEQ in inputs:  # the host's plan says which products have one row
         kept = _downstream(inputs[ort_plan.KEPT_SLOTS]) if ort_plan.KEPT_SLOTS in inputs else set()
-        groups = {
+        names = {
             False: (ort_plan.WIDEN_PADS, ort_plan.WIDEN_ENDS),
             True: (ort_plan.KEPT_WIDEN_PADS, ort_plan.KEPT_WIDEN_ENDS),
         }
-        made: dict[bool, tuple] = {}
-        widths = {}
-        for node in nodes:
-            group = node.inputs[0] in kept
-            if group not in made:
-                pads_name, ends_name = groups[group]
-                made[group] = (plan_input(pads_name, 2), plan_input(ends_name, 1))
-            widths[node.name] = made[group]
+        used = sorted({node.inputs[0] in kept for node in nodes})  # the call's tokens, then the kept rows
+        pairs = {group: (plan_input(names[group][0], 2), plan_input(names[group][1], 1)) for group in used}
+        widths = {node.name: pairs[node.inputs[0] in kept] for node in nodes}
     else:
         always = (constant("widen_pads", [0, 1]), constant("widen_ends", [-1]))
         widths = {node.name: always for node in nodes}

@@ -69,8 +69,9 @@ def fuse_eagle(model, attention, *, rope_positions: int) -> dict[str, int]:
 
 
 def _planned_last_rows(model) -> int:
-    """``hidden_states_out``, each row's last live feature, read at the plan's kept slot (``GatherND``) instead
-    of the slot the traced graph computes from ``position_ids``; 1."""
+    """``hidden_states_out`` (and the logits of it), each row's last live rows, read at the plan's kept slots
+    (``GatherND``; one a chained call, K a parallel head's) instead of the slot the traced graph computes from
+    ``position_ids``; 1."""
     import onnx_ir as ir
     from onnxscript import optimizer
 

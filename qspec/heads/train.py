@@ -285,10 +285,10 @@ def train_head(
     eval_sets = {name: load_features(paths) for name, paths in (evals or {}).items()}
     vocab = target_model.config.vocab_size
     init = modules.load_eagle(options.init_head, target_model).train() if options.init_head else None
-    if init is not None and init.draft_ids is not None:
-        draft_ids = init.draft_ids.numpy()
-    else:
-        draft_ids = draft_vocabulary(data, options.draft_vocab) if init is None else np.arange(vocab)
+    if init is None:
+        draft_ids = draft_vocabulary(data, options.draft_vocab)
+    else:  # the head's own draft vocabulary (the target's whole one when it has none)
+        draft_ids = init.draft_ids.numpy() if init.draft_ids is not None else np.arange(vocab)
     t2d = np.full(vocab, IGNORE, np.int64)
     t2d[draft_ids] = np.arange(len(draft_ids))
     ids_t = torch.from_numpy(draft_ids)

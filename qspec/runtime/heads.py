@@ -244,7 +244,7 @@ class EagleProposer(HiddenStateProposer):
         graph = graph or self.head
         if graph.batch_index:
             feeds[contract.BATCH_INDEX] = np.asarray([[row.request.row] for row in rows], np.int64)
-        return graph.run(feeds, keep=keep) if keep > 1 else graph.run(feeds)
+        return graph.run(feeds, keep=keep)
 
     def _catch_up(self, rows: list[HeadRow]) -> None:
         """Write every row's pairs ``(f_t, x_{t+1})`` not yet cached, widest shape first; the last call of a row
@@ -265,12 +265,12 @@ class EagleProposer(HiddenStateProposer):
                 last = min(r.known, len(r.tokens) - 1)
                 end = min(last, r.cached + limit)
                 tokens, hidden = r.tokens[r.cached + 1 : end + 1], r.hidden[r.cached : end]
-                count = min(depth, row.cap) - 1 if end == last else 0  # mask pairs after the row's last pair
-                if count > 0:
+                count = max(min(depth, row.cap) - 1, 0) if end == last else 0  # mask pairs after its last pair
+                if count:
                     tokens = tokens + [mask_token] * count
                     hidden = np.concatenate((hidden, np.broadcast_to(mask_hidden, (count, self.hidden_size))))
                 pieces.append((tokens, hidden, r.cached))
-                masks.append(max(count, 0))
+                masks.append(count)
             out = self._call(todo, pieces, keep=depth)
             for i, row in enumerate(todo):
                 r = row.request
