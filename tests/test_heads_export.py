@@ -348,9 +348,11 @@ def test_qaic_head_program(tmp_path, fake_compiler):
 
 
 def test_specializations_of_each_method():
-    """EAGLE: prefill + seq_len 1 and K + 1 (de-duplicated); Medusa: one per row count."""
+    """EAGLE: prefill + seq_len 1 and K + 1 (de-duplicated), a parallel head's K + min(depth, K) too; Medusa: one per
+    row count."""
     config = make_config(num_speculative_tokens="4,0", prefill_seq_len=1, ctx_len=CTX)
     assert [s.seq_len for s in eagle_specializations(config)] == [1, 5]
+    assert [s.seq_len for s in eagle_specializations(config, 3)] == [1, 5, 7]  # a parallel head's mask pairs too
     assert [s.batch_size for s in medusa_specializations(config)] == [1]
 
 

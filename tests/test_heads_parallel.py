@@ -15,6 +15,7 @@ from qspec.heads.eagle import EagleHead, eagle_config, load_eagle, save_eagle
 from qspec.heads.parallel import ParallelDrafting, enable_parallel, group_forward, slot_labels
 from qspec.runtime import Engine, SamplingParams
 from tests.test_heads_e2e import PROMPTS, compile_tiny, markov_model
+from tests.test_heads_export import fake_compiler  # noqa: F401 (a fixture)
 
 
 def random_head(depth: int = 3) -> EagleHead:
@@ -149,18 +150,71 @@ def test_one_call_drafting_is_greedy(parallel_head, tmp_path, weight_format):
     assert set(counter.calls) == {1}
 
 
-def test_continuous_batching_drafts_chained_and_greedy(parallel_head, tmp_path):
-    """Four KV slots (the head graph takes batch_index and returns one row a call): the parallel head drafts chained,
-    six requests' outputs equal `none` at batch 1."""
+def test_continuous_batching_drafts_in_one_call_and_greedy(parallel_head, tmp_path):
+    """Four KV slots (the head graph takes batch_index and hands out each row's last three rows): every step's drafts
+    come from one head call, six requests' outputs equal `none` at batch 1; chained again with
+    ``parallel_drafting=False``."""
     target, folder, _ = parallel_head
     package = compile_tiny(target, tmp_path / "p", fbs=4, draft_head=str(folder))
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     prompts = PROMPTS + [[7, 7, 8, 9, 10], list(range(60, 75))]
     plain = [o.token_ids for o in Engine(package, method="none", max_batch_size=1).generate(prompts, params)]
-    engine = Engine(package, method="eagle")
+    engine = Engine(package, method="eagle", dispatch="cover", draft_confidence_threshold=0.0)
     counter = CallCounter(engine.proposer.head)
     assert [o.token_ids for o in engine.generate(prompts, params)] == plain
-    assert set(counter.calls) == {1} and engine.proposer.parallel is None
+    assert set(counter.calls) == {3}
+    assert engine.last_metrics.reached_per_position[1] > 0  # second drafts, from the same call, were verified
+    chained = Engine(package, method="eagle", dispatch="cover", parallel_drafting=False)
+    counter = CallCounter(chained.proposer.head)
+    assert [o.token_ids for o in chained.generate(prompts, params)] == plain
+    assert set(counter.calls) == {1}
+
+
+def test_the_vendor_head_graph_hands_out_a_parallel_heads_drafts(parallel_head, tmp_path, fake_compiler):  # noqa: F811
+    """backend qaic: the vendor graph ``head.onnx`` returns each row's last three rows (logits and features),
+    equal to the trained head's forward over its pairs and mask pairs, rows of two lengths in one call; the
+    specializations add ``K + min(3, K)`` per compiled K (a step's pairs and its mask pairs) and the stand-in
+    compiler takes them."""
+    import onnxruntime as ort
+
+    from qspec.head_manifest import read_head_manifest
+
+    target, folder, _ = parallel_head
+    package = compile_tiny(target, tmp_path / "p", draft_head=str(folder), backend="qaic")
+    head_dir = package / "head"
+    wire = json.loads((head_dir / "specializations.json").read_text())["specializations"]
+    assert [int(entry["seq_len"]) for entry in wire] == [8, 1, 2, 3, 4, 5, 7]  # K = 0, 1, 2, 4: K + 1, K + min(3, K)
+    assert (head_dir / "qpc" / "programqpc.bin").is_file()
+    manifest = read_head_manifest(package)
+    session = ort.InferenceSession(str(head_dir / "head.onnx"), providers=["CPUExecutionProvider"])
+    head = load_eagle(folder, _tables(target))
+    hidden, mask = head.fc.weight.shape[0], manifest.mask_token_id
+    mask_feature = np.load(head_dir / "mask_hidden.npy")
+    rng = np.random.default_rng(0)
+    width, lengths = 9, (7, 3)
+    ids = np.zeros((2, width), np.int64)
+    positions = np.full((2, width), -1, np.int64)
+    feats = np.zeros((2, width, hidden), np.float32)
+    expected_logits, expected_features = [], []
+    for row, n in enumerate(lengths):
+        row_ids = np.concatenate((rng.integers(0, 300, n), [mask, mask]))
+        row_feats = np.concatenate((rng.standard_normal((n, hidden)), mask_feature[None].repeat(2, 0)))
+        ids[row, : n + 2], positions[row, : n + 2], feats[row, : n + 2] = row_ids, np.arange(n + 2), row_feats
+        with torch.no_grad():
+            features = head(
+                torch.from_numpy(row_ids[None]),
+                torch.from_numpy(feats[row : row + 1, : n + 2]),
+                torch.arange(n + 2)[None],
+            )
+        expected_features.append(features[0, -3:].numpy())
+        expected_logits.append(head.logits(features)[0, -3:].numpy())
+    kv = np.zeros((2, manifest.num_kv_heads, manifest.ctx_len, manifest.head_dim), np.float32)
+    feeds = {"input_ids": ids, "position_ids": positions, "hidden_states": feats, "past_key.0": kv, "past_value.0": kv}
+    logits, features = session.run(["logits", "hidden_states_out"], feeds)
+    assert logits.shape[:2] == features.shape[:2] == (2, 3)
+    np.testing.assert_allclose(logits, np.stack(expected_logits), atol=2e-2, rtol=2e-2)
+    np.testing.assert_allclose(features, np.stack(expected_features), atol=2e-2, rtol=2e-2)
+    assert (logits.argmax(-1) == np.stack(expected_logits).argmax(-1)).all()
 
 
 def test_the_packages_head_graph_drafts_as_the_trained_head(parallel_head, tmp_path):

@@ -144,21 +144,24 @@ def example_feeds(manifest: HeadManifest, spec: Specialization) -> dict[str, np.
 
 
 def check_head_sessions(folder: Path, manifest: HeadManifest) -> None:
-    """Run the head's runtime graph once per specialization; the logits must have the shape the manifest says."""
+    """Run the head's runtime graph once per specialization; the logits must have the shape the manifest says (a
+    parallel head's graph with ``batch_index`` hands out its depth's rows a row)."""
     import onnxruntime as ort
 
     from qspec.backends import ort_plan
 
     session = ort.InferenceSession(str(folder / manifest.runtime_graph), providers=["CPUExecutionProvider"])
     names = {value.name for value in session.get_inputs()}
+    planned = bool(ort_plan.plan_names(names))  # a one-slot EAGLE head takes the host's call plan (one kept row)
+    rows = manifest.num_heads if planned else manifest.parallel_depth or manifest.num_heads
     for spec in manifest.specializations:
         feeds = example_feeds(manifest, spec)
-        if contract.POSITION_IDS in feeds:  # a one-slot EAGLE head takes the host's call plan
+        if planned:
             feeds |= ort_plan.feeds(feeds[contract.POSITION_IDS], 1, names)
         try:
             logits = session.run([contract.LOGITS], feeds)[0]
         except Exception as exc:  # ORT raises plain RuntimeErrors
             raise CompileError(f"the draft head graph fails for {spec.describe()}: {_first(exc)}") from exc
-        want = (spec.batch_size, manifest.num_heads, manifest.draft_vocab_size)
+        want = (spec.batch_size, rows, manifest.draft_vocab_size)
         if logits.shape != want:
             raise CompileError(f"the draft head returns logits {logits.shape} for {spec.describe()}, expected {want}")

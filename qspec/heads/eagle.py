@@ -229,15 +229,18 @@ def load_eagle(head_dir: str | Path, target_model=None) -> EagleHead:
 # The kind ------------------------------------------------------------------------------------------------
 
 
-def eagle_specializations(config: SpecializationConfig) -> list[Specialization]:
+def eagle_specializations(config: SpecializationConfig, depth: int = 1) -> list[Specialization]:
     """The target's prefill shape, then ``seq_len`` 1 and ``K + 1`` per compiled K, ascending (no logits
-    count: the head returns the last real token of each row). Example, ``K = 0, 1, 4``, prefill 32, ctx 128,
-    batch 1: seq_len 32, 1, 2, 5."""
+    count: the head returns each row's last real token, or a parallel head's last ``depth``). A parallel head
+    also drafts a step in one call: its ``K + 1`` pairs and ``min(depth, K) - 1`` mask pairs, ``K + min(depth,
+    K)`` per compiled K >= 1. Example, ``K = 0, 1, 4``, prefill 32, ctx 128, batch 1: seq_len 32, 1, 2, 5;
+    with depth 3: 32, 1, 2, 5, 7."""
     rows, fbs = config.full_batch_size or config.batch_size, config.full_batch_size
     prefill = Specialization(
         batch_size=config.batch_size, seq_len=config.prefill_seq_len, ctx_len=config.ctx_len, full_batch_size=fbs
     )
-    steps = sorted({1, *(k + 1 for k in config.num_speculative_tokens)})
+    ks = config.num_speculative_tokens
+    steps = sorted({1, *(k + 1 for k in ks), *(k + min(depth, k) for k in ks if k and depth > 1)})
     decode = [Specialization(batch_size=rows, seq_len=s, ctx_len=config.ctx_len, full_batch_size=fbs) for s in steps]
     return dedupe([prefill, *decode])
 
@@ -276,8 +279,10 @@ class EagleKind(HeadKind):
             export.eagle_output_names(),
         )
 
-    def specializations(self, config: SpecializationConfig) -> list[Specialization]:
-        return eagle_specializations(config)
+    def specializations(self, head, config: SpecializationConfig) -> list[Specialization]:
+        from qspec.heads.export import head_keep
+
+        return eagle_specializations(config, head_keep(head))
 
     def write_specializations(self, specs: list[Specialization], path: Path, fmt: str) -> None:
         from qspec.spec_file import write_specializations

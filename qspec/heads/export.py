@@ -7,12 +7,15 @@ from positions)::
     input_ids [batch_size, seq_len], position_ids [batch_size, seq_len],
     hidden_states [batch_size, seq_len, hidden], (batch_index [batch_size, 1]),
     past_key.0 / past_value.0 [batch_size or full_batch_size, kv_heads, ctx_len, head_dim]
-      -> logits [batch_size, 1, draft_vocab]           the last real token of each row
-         hidden_states_out [batch_size, 1, hidden]     the head's feature there (the next call's input)
+      -> logits [batch_size, keep, draft_vocab]        each row's last ``keep`` real tokens
+         hidden_states_out [batch_size, keep, hidden]  the head's features there (the next call's input)
          past_key.0_RetainedState / past_value.0_RetainedState
 
 Row ``i`` of a call pairs the target's (or the previous call's) feature at position ``p_i - 1`` with the
-token at ``p_i`` (see :mod:`qspec.heads.modules` for EAGLE's position convention).
+token at ``p_i`` (see :mod:`qspec.heads.modules` for EAGLE's position convention). ``keep`` is 1, or a
+parallel head's depth (:mod:`qspec.heads.parallel`): one call's mask pairs draft that many tokens, so the vendor
+graph hands out its last ``depth`` rows (a row with fewer repeats its first), as QEfficient's speculative target
+hands out its last ``num_logits_to_keep``.
 
 **Medusa** (and turbo): ``hidden_states [batch_size, 1, hidden] -> logits [batch_size, num_heads,
 draft_vocab]``; no KV.
@@ -57,7 +60,7 @@ class EagleKVExplicit(nn.Module):
     """``forward(input_ids, position_ids, hidden_states, [batch_index], past_key, past_value)
     -> logits, hidden_states_out, past_key', past_value'``."""
 
-    def __init__(self, head, *, continuous_batching: bool):
+    def __init__(self, head, *, continuous_batching: bool, keep: int = 1):
         super().__init__()
         from qspec.export.wrapper import KVExplicitLM
 
@@ -65,6 +68,7 @@ class EagleKVExplicit(nn.Module):
         self.fc = head.fc
         self.lm_head = head.lm_head
         self.continuous_batching = continuous_batching
+        self.keep = keep
 
     def forward(self, *args):
         input_ids, position_ids, hidden_states, *rest = args
@@ -75,7 +79,7 @@ class EagleKVExplicit(nn.Module):
         x, keys, values = self.lm.layer_step(
             0, x, cos, sin, query_pos, anchor, valid, batch_index, past_key, past_value
         )
-        feature = _last_real(x, valid)  # [batch, 1, hidden]
+        feature = _last_real(x, valid, self.keep)  # [batch, keep, hidden]
         return self.lm_head(feature).float(), feature, keys, values
 
 
@@ -84,8 +88,8 @@ class Eagle3KVExplicit(EagleKVExplicit):
     the residual is ``f`` (or its norm with ``norm_before_residual``); logits through ``norm``, and the pre-norm
     output is the chained feature. The target graph already applied ``fc``."""
 
-    def __init__(self, head, *, continuous_batching: bool):
-        super().__init__(head, continuous_batching=continuous_batching)
+    def __init__(self, head, *, continuous_batching: bool, keep: int = 1):
+        super().__init__(head, continuous_batching=continuous_batching, keep=keep)
         self.norm = head.norm
         self.step_input = head.step_input
 
@@ -98,16 +102,19 @@ class Eagle3KVExplicit(EagleKVExplicit):
         out, keys, values = self.lm.layer_step(
             0, residual, cos, sin, query_pos, anchor, valid, batch_index, past_key, past_value, attn_input=x
         )
-        feature = _last_real(out, valid)  # [batch, 1, hidden]
+        feature = _last_real(out, valid, self.keep)  # [batch, keep, hidden]
         return self.lm_head(self.norm(feature)).float(), feature, keys, values
 
 
-def _last_real(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """``x`` at the last live step of each (right-padded) row: ``[batch, 1, width]``."""
+def _last_real(x: torch.Tensor, valid: torch.Tensor, keep: int = 1) -> torch.Tensor:
+    """``x`` at the last ``keep`` live steps of each (right-padded) row: ``[batch, keep, width]``; a row with
+    fewer live steps repeats its first."""
     batch, seq, width = x.shape
     steps = torch.arange(seq, dtype=torch.int64)
     last = (valid.to(torch.int64) * steps).amax(dim=1, keepdim=True)  # [batch, 1]
-    return x.gather(1, last.unsqueeze(-1).expand(batch, 1, width))
+    if keep > 1:
+        last = (last + torch.arange(1 - keep, 1, dtype=torch.int64)).clamp(min=0)  # [batch, keep]
+    return x.gather(1, last.unsqueeze(-1).expand(batch, keep, width))
 
 
 class MedusaGraph(nn.Module):
@@ -135,8 +142,8 @@ def eagle_output_names() -> list[str]:
     return [contract.LOGITS, contract.HIDDEN_STATES_OUT] + [contract.retained(n) for n in contract.kv_names(1)]
 
 
-def eagle_dims(head, *, continuous_batching: bool) -> dict[str, list]:
-    """Dimension names (or sizes) of every input and output of an EAGLE head graph."""
+def eagle_dims(head, *, continuous_batching: bool, keep: int = 1) -> dict[str, list]:
+    """Dimension names (or sizes) of every input and output of an EAGLE head graph (``keep`` rows a row out)."""
     tokens = [contract.BATCH_SIZE, contract.SEQ_LEN]
     rows = contract.FULL_BATCH_SIZE if continuous_batching else contract.BATCH_SIZE
     attn = head.layers[0].self_attn
@@ -150,9 +157,15 @@ def eagle_dims(head, *, continuous_batching: bool) -> dict[str, list]:
     if continuous_batching:
         dims[contract.BATCH_INDEX] = [contract.BATCH_SIZE, 1]
     dims |= {name: kv for name in contract.kv_names(1)}
-    dims[contract.LOGITS] = [contract.BATCH_SIZE, 1, head.draft_vocab_size]
-    dims[contract.HIDDEN_STATES_OUT] = [contract.BATCH_SIZE, 1, hidden]
+    dims[contract.LOGITS] = [contract.BATCH_SIZE, keep, head.draft_vocab_size]
+    dims[contract.HIDDEN_STATES_OUT] = [contract.BATCH_SIZE, keep, hidden]
     return dims | {contract.retained(name): kv for name in contract.kv_names(1)}
+
+
+def head_keep(head) -> int:
+    """Rows a call of ``head``'s graph hands out per row: a parallel head's depth, else 1."""
+    parallel = getattr(head, "parallel", None)
+    return parallel.depth if parallel is not None else 1
 
 
 def eagle_attention_info(head):

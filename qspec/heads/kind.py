@@ -101,7 +101,7 @@ class HeadKind(ABC):
         return self.trace(head, config)
 
     @abstractmethod
-    def specializations(self, config: SpecializationConfig) -> list[Specialization]:
+    def specializations(self, head, config: SpecializationConfig) -> list[Specialization]:
         """The head's shapes for the target's specialization config."""
 
     @abstractmethod

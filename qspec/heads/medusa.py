@@ -313,7 +313,7 @@ class MedusaKind(HeadKind):
 
         return TracedHead(export.trace_medusa(head), [contract.HIDDEN_STATES], [contract.LOGITS])
 
-    def specializations(self, config: SpecializationConfig) -> list[Specialization]:
+    def specializations(self, head, config: SpecializationConfig) -> list[Specialization]:
         return medusa_specializations(config)
 
     def write_specializations(self, specs: list[Specialization], path: Path, fmt: str) -> None:

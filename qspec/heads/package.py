@@ -9,7 +9,8 @@ compile command: a second program beside the target's, as QEfficient compiles a 
 
 Everything that differs between kinds (graph, specializations, custom IO, runtime rewrite, manifest fields)
 is the kind's (:class:`~qspec.heads.kind.HeadKind`): EAGLE's specializations are the target's prefill shape,
-``seq_len = 1`` (chained drafts) and ``K + 1`` per compiled K (catch-up), Medusa's one per row count.
+``seq_len = 1`` (chained drafts) and ``K + 1`` per compiled K (catch-up; a parallel head's also its mask pairs),
+Medusa's one per row count.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ Progress = Callable[[str], None]
 EMBED_TOKENS = "model.embed_tokens.weight"  # the target graph's initializer names (Hugging Face's)
 LM_HEAD = "lm_head.weight"
 # Bump when the head's graphs change (they are built from the head's files and this): see head_digest.
-HEAD_RECIPE_VERSION = 5  # 5: an EAGLE head graph keeps any number of rows per call (parallel drafting)
+HEAD_RECIPE_VERSION = 6  # 6: a parallel head's vendor graph hands out its depth's rows, specializations for its mask pairs
 
 
 # The target's tables ---------------------------------------------------------------------------------
@@ -167,7 +168,7 @@ def compile_head(
         raise ConfigError(f"the draft head's hidden size {width} differs from the target's {hidden}; use a head for it")
     kind.prepare(head)
 
-    specs = kind.specializations(config)
+    specs = kind.specializations(head, config)
     programs = kind.programs(head)
     built = [
         _write_program(head, kind, i, folder / program_dir(i), config, specs, weight_format, spec_format, say)

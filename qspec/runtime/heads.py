@@ -173,8 +173,6 @@ class EagleProposer(HiddenStateProposer):
         dispatch would verify none of a step's mask drafts (``limit_depth``), the next steps draft chained, as an
         EAGLE-1 head (whose further calls the dispatch prices one by one), and try mask pairs again after
         ``MASK_RETRY_STEPS``."""
-        if not self.head.plan_names:
-            raise ConfigError("parallel drafting needs the one-slot head graph (a package without continuous batching)")
         self.parallel = (depth, mask_token_id, np.asarray(mask_hidden, np.float32).reshape(self.hidden_size))
 
     @classmethod
@@ -276,8 +274,10 @@ class EagleProposer(HiddenStateProposer):
                 r = row.request
                 r.cached += len(pieces[i][0]) - masks[i]  # the mask pairs' cache rows are overwritten next step
                 if r.cached == min(r.known, len(r.tokens) - 1):  # this call held the row's last pair
-                    logits, features = out[contract.LOGITS][i], out[contract.HIDDEN_STATES_OUT][i]
-                    for j in range(depth - 1 - masks[i], depth):  # the last pair's row, then the mask pairs'
+                    # Each row's last rows: ``depth`` of them (a graph with batch_index hands out the head's
+                    # depth whatever this step's): the last pair's row, then the mask pairs'.
+                    logits, features = out[contract.LOGITS][i, -depth:], out[contract.HIDDEN_STATES_OUT][i, -depth:]
+                    for j in range(depth - 1 - masks[i], depth):
                         if j > depth - 1 - masks[i] and not row.going:
                             break
                         self._take(row, logits[j], features[j])
@@ -436,8 +436,7 @@ def load_head_proposer(
         if not isinstance(proposer, EagleProposer):
             raise ConfigError(f"tree_width {tree_width} is for an EAGLE head; {manifest.method} drafts chains")
         proposer.tree_width = tree_width
-    # A head graph with continuous batching (batch_index, no host plan) returns one row a call: it drafts chained.
-    if manifest.parallel_depth and parallel_drafting and isinstance(proposer, EagleProposer) and graphs[0].plan_names:
+    if manifest.parallel_depth and parallel_drafting and isinstance(proposer, EagleProposer):
         mask = np.load(manifest.path(package, manifest.mask_hidden_file or MASK_HIDDEN_FILE))
         proposer.draft_in_one_call(manifest.parallel_depth, manifest.mask_token_id or 0, mask)
     return proposer
