@@ -555,16 +555,31 @@ def test_ceiling_oracle_takes_the_cheapest_path():
     assert oracle_ms(steps, price, 2) == (12.5 + 10 + 10, 3)
 
 
+def test_a_batch_ceiling_is_bounded_by_the_share_of_a_call_drafts_save():
+    """The module docstring's batch-4 example: K=0 16 ms, K=4 56 ms for four rows; a row accepting every draft
+    verifies four a call (14 ms for five tokens against 4 ms each), 1.43x; past any depth the bound is 16 / (4 x 2.5)
+    = 1.6x."""
+    from qspec.bench.ceiling import oracle_ms
+
+    price = {0: 16.0, 4: 56.0}
+    ms, calls = oracle_ms([(4, 4)] * 100, price, 4)
+    assert calls == 20 and round(100 * 16 / ms, 2) == 1.43
+    deep = {0: 16.0, 1000: 16.0 + 1000 * 10.0}  # a K without end, the same 2.5 ms a row a verified draft
+    ms, _ = oracle_ms([(1000, 1000 - i) for i in range(1000)], deep, 1000)
+    assert 1.59 < 1000 * 16 / ms <= 1.6
+
+
 def test_report_has_the_speculation_ceiling(bench_run):
-    """Every batch-1 pld configuration gets a ceiling row over its format's none: the oracle may always
-    verify nothing, so the ceiling is at least 1; its positions are none's first-turn decode tokens."""
+    """Every pld configuration gets a ceiling row over its format's none at its batch size (batch 2 at the batch-2
+    package's prices): the oracle may always verify nothing, so the ceiling is at least 1; its positions are none's
+    first-turn decode tokens at that batch size."""
     out, report, _ = bench_run
     rows = {c.key: c for c in report.ceilings}
-    assert set(rows) == {"pld[4]@1", "pld[0,4]@1", "pld[0,4]-int4@1"}
+    assert set(rows) == {"pld[4]@1", "pld[0,4]@1", "pld[0,4]-int4@1", "pld[4]@2", "pld[0,4]@2"}
     for key, row in rows.items():
-        none = "none-int4@1" if "int4" in key else "none@1"
+        none = ("none-int4@" if "int4" in key else "none@") + key.split("@")[1]
         first_turns = [tokens for rid, tokens in report.outputs[none].items() if "/" not in rid]
         assert row.positions == sum(len(tokens) - 1 for tokens in first_turns)
         assert row.oracle_x_none >= 1.0 and row.oracle_calls <= row.positions
         assert row.drafted_positions <= row.positions and row.measured_x_none > 0
-    assert "## Speculation ceiling (batch 1)" in (out / "report.md").read_text()
+    assert "## Speculation ceiling" in (out / "report.md").read_text()

@@ -190,15 +190,17 @@ def test_markdown_renders_without_head_sections_for_an_old_report(head_run):
 
 
 def test_report_has_a_head_ceiling_replayed_on_hidden_states(head_run):
-    """eagle and eagle+pld at batch 1 get a ceiling replayed on the target's hidden states; pld keeps its token
-    replay; the EAGLE head drafts at every position (its first draft is taken whatever its confidence)."""
+    """eagle and eagle+pld at batch 1 and 2 get a ceiling replayed on the target's hidden states (batch 2 on the
+    batch-2 package, along its none's outputs); pld keeps its token replay; the EAGLE head drafts at every position
+    (its first draft is taken whatever its confidence)."""
     out, report = head_run
     rows = {c.key: c for c in report.ceilings}
-    assert rows["pld[0,4]@1"].replay == "tokens"
-    eagle = rows["eagle[0,4]@1"]
-    assert (eagle.replay, rows["eagle+pld[0,4]@1"].replay) == ("hidden states", "hidden states")
-    assert eagle.drafted_positions == eagle.positions > 0
-    assert eagle.oracle_x_none > 0
+    for batch in (1, 2):
+        assert rows[f"pld[0,4]@{batch}"].replay == "tokens"
+        eagle = rows[f"eagle[0,4]@{batch}"]
+        assert (eagle.replay, rows[f"eagle+pld[0,4]@{batch}"].replay) == ("hidden states", "hidden states")
+        assert eagle.drafted_positions == eagle.positions > 0
+        assert eagle.oracle_x_none > 0
     assert "replay: hidden states" in (out / "report.md").read_text()
 
 

@@ -14,6 +14,13 @@ Example, Ks ``[0, 4]`` at 10 / 15 ms, an output of 5 decode tokens whose drafts 
 13.75 ms) reaches position 4 (3 accepted + the bonus token), one K=0 call finishes: 23.75 ms against
 ``none``'s 5 x 10 = 50 ms, a ceiling of 2.1x.
 
+At batch B > 1 the same walk runs per row at the batch-B package's prices (its calls timed with every row
+live, each row paying a 1/B share, which leaves the ratio to ``none`` as it is), a row verifying its own count
+(linear in between: ragged rows, :mod:`qspec.runtime.layout`); a head's calls cost the batch-B head call's
+share. Example, batch 4, Ks ``[0, 4]`` at 16 / 56 ms: a row-step costs 4 ms plus 2.5 ms a verified draft, so a
+draft pays only if accepted more often than 2.5 / 4 of the time, and endless accepted drafts reach at most
+16 / (4 x 2.5) = 1.6x: at batch B the call's fixed part, shared by B rows, is the most speculation can save.
+
 Its speed-up over ``none`` is the most any dispatch of those drafts can reach on that package; the
 configuration's measured decode speed-up (``none``'s time per output token over its own) against it
 says what share of the possible gain the dispatch took. A ceiling below a target says that the
@@ -116,13 +123,14 @@ def target_hidden_states(model, prompt: Sequence[int], output: Sequence[int]) ->
     return np.concatenate([pieces[start] for start in sorted(pieces)])[: len(tokens)]
 
 
-def head_call_ms(micro: MicroReport | None, weight_format: str) -> tuple[str, float] | None:
-    """``(method, ms)`` of the batch-1 ``weight_format`` package's head step: EAGLE's ``seq_len=1`` call,
-    Medusa's ``batch=1`` call; None when the micro-benchmark did not time it."""
-    head = next((h for h in (micro.heads if micro else []) if h.batch == 1 and h.weight_format == weight_format), None)
-    wanted = "seq_len=1" if head and _chained(head.method) else "batch=1"
+def head_call_ms(micro: MicroReport | None, weight_format: str, batch: int = 1) -> tuple[str, float] | None:
+    """``(method, ms)`` of a row's share of the batch-``batch`` ``weight_format`` package's head step: EAGLE's
+    ``seq_len=1`` call, Medusa's ``batch=B`` call, over ``batch``; None when the micro-benchmark did not time it."""
+    heads = micro.heads if micro else []
+    head = next((h for h in heads if h.batch == batch and h.weight_format == weight_format), None)
+    wanted = "seq_len=1" if head and _chained(head.method) else f"batch={batch}"
     call = next((c for c in head.calls if c.specialization == wanted), None) if head else None
-    return (head.method, call.median_ms) if call else None
+    return (head.method, call.median_ms / batch) if call else None
 
 
 def head_draft_ms(method: str, call_ms: float, offered: int, from_head: bool) -> tuple[float, ...]:
@@ -195,14 +203,14 @@ def call_ms(price: Mapping[int, float], depth: int) -> float:
     return float(np.interp(depth, ks, [price[k] for k in ks]))
 
 
-def decode_prices(micro: MicroReport | None, weight_format: str) -> dict[int, float] | None:
-    """``{K: ms}`` of every decode K of the batch-1 ``weight_format`` package in the micro-benchmark (its
-    smallest compute-context-length bucket: the micro times calls at positions up to 255); None when
-    it was not timed or has no K=0."""
+def decode_prices(micro: MicroReport | None, weight_format: str, batch: int = 1) -> dict[int, float] | None:
+    """``{K: ms}`` of every decode K of the batch-``batch`` ``weight_format`` package in the micro-benchmark (its
+    smallest compute-context-length bucket: the micro times calls at positions up to 255, every row live);
+    None when it was not timed or has no K=0."""
     if micro is None:
         return None
     package = next(
-        (p for p in micro.packages if p.batch == 1 and p.weight_format == weight_format and p.graph == "runtime"),
+        (p for p in micro.packages if p.batch == batch and p.weight_format == weight_format and p.graph == "runtime"),
         None,
     )
     if package is None:
@@ -228,8 +236,8 @@ def ceilings(
     micro: MicroReport | None,
     head_replays: Mapping[str, dict[str, HeadReplay]] | None = None,
 ) -> list[CeilingRow]:
-    """One row per replayable speculative qspec configuration at batch 1, over its first-turn requests
-    (``prompts``: their token ids): its ceiling over ``none`` of its weight format, the decode speed-up
+    """One row per replayable speculative qspec configuration, over its first-turn requests (``prompts``: their
+    token ids): its ceiling over ``none`` of its weight format and batch size (module doc), the decode speed-up
     it measured (``none``'s decode ms per token over its own), and the share of the possible gain it took.
     ``head_replays``: config key -> :func:`replay_head` of a head configuration (replayed while the run's
     models were loaded: :func:`head_replays_of`)."""
@@ -238,10 +246,10 @@ def ceilings(
     for key, c in collected.items():
         config = c.config
         replayable = config.method in REPLAYABLE or key in head_replays
-        if config.baseline or config.batch != 1 or not replayable or not any(config.ks):
+        if config.baseline or not replayable or not any(config.ks):
             continue
-        none = collected.get(none_config(config.weight_format, 1).key)
-        price = decode_prices(micro, config.weight_format)
+        none = collected.get(none_config(config.weight_format, config.batch).key)
+        price = decode_prices(micro, config.weight_format, config.batch)
         if none is None or price is None or max(config.ks) > max(price):
             continue
         first = {rid: result for rid, (_, result) in none.requests.items() if rid in prompts}
@@ -281,9 +289,9 @@ def ceilings(
 def head_replays_of(
     configs, models: Mapping, collected: Mapping[str, Collected], prompts: Mapping[str, Sequence[int]], micro
 ) -> dict[str, dict[str, HeadReplay]]:
-    """:func:`replay_head` of every head configuration at batch 1 whose package's head the micro-benchmark
-    priced, along ``none``'s first-turn outputs of its weight format; ``models``: (weight format, batch) ->
-    the run's loaded model (its KV slot 0 is overwritten: call between runs).
+    """:func:`replay_head` of every head configuration whose package's head the micro-benchmark priced, along
+    ``none``'s first-turn outputs of its weight format and batch size; ``models``: (weight format, batch) -> the
+    run's loaded model (its KV slot 0 is overwritten: call between runs).
 
     A head's drafts with a cap of k are the first k of its drafts with a larger cap (a chain or a row of
     Medusa heads cut short), and the oracle never verifies more than a configuration's largest K: so
@@ -295,41 +303,41 @@ def head_replays_of(
         c
         for c in configs
         if c.method in HEAD_METHODS
-        and c.batch == 1
         and any(c.ks)
-        and (c.weight_format, 1) in models
-        and none_config(c.weight_format, 1).key in collected
-        and head_call_ms(micro, c.weight_format)
+        and (c.weight_format, c.batch) in models
+        and none_config(c.weight_format, c.batch).key in collected
+        and head_call_ms(micro, c.weight_format, c.batch)
     ]
-    deepest: dict[tuple[str, str], int] = {}
+    deepest: dict[tuple[str, str, int], int] = {}
     for c in wanted:
-        deepest[c.method, c.weight_format] = max(deepest.get((c.method, c.weight_format), 0), max(c.ks))
-    hidden_by_format: dict[str, dict[str, np.ndarray]] = {}
-    done: dict[tuple[str, str, int], dict[str, HeadReplay]] = {}
+        at = (c.method, c.weight_format, c.batch)
+        deepest[at] = max(deepest.get(at, 0), max(c.ks))
+    hidden_by_package: dict[tuple[str, int], dict[str, np.ndarray]] = {}
+    done: dict[tuple[str, str, int, int], dict[str, HeadReplay]] = {}
     out = {}
     for c in wanted:
-        k = max(c.ks) if c.method.endswith("+pld") else deepest[c.method, c.weight_format]
-        if (c.method, c.weight_format, k) not in done:
-            model = models[c.weight_format, 1]
-            none = collected[none_config(c.weight_format, 1).key]
+        package = (c.weight_format, c.batch)
+        k = max(c.ks) if c.method.endswith("+pld") else deepest[(c.method, *package)]
+        at = (c.method, *package, k)
+        if at not in done:
+            model = models[package]
+            none = collected[none_config(*package).key]
             outputs = {rid: r.tokens for rid, (_, r) in none.requests.items() if rid in prompts}
-            if c.weight_format not in hidden_by_format:
-                hidden_by_format[c.weight_format] = {
+            if package not in hidden_by_package:
+                hidden_by_package[package] = {
                     rid: target_hidden_states(model, prompts[rid], tokens) for rid, tokens in outputs.items()
                 }
-            done[c.method, c.weight_format, k] = _replay_config(
-                c.method, model, prompts, outputs, hidden_by_format[c.weight_format], k, micro, c.weight_format
-            )
-        out[c.key] = done[c.method, c.weight_format, k]
+            done[at] = _replay_config(c.method, model, prompts, outputs, hidden_by_package[package], k, micro, *package)
+        out[c.key] = done[at]
     return out
 
 
-def _replay_config(method, model, prompts, outputs, hidden, k: int, micro, weight_format: str):
+def _replay_config(method, model, prompts, outputs, hidden, k: int, micro, weight_format: str, batch: int):
     """One head method's :func:`replay_head` on ``model``'s package with a fresh proposer."""
     from qspec.runtime.lookup_first import LookupFirstProposer
 
     proposer = make_proposer(method, package=model.package)
     proposer.check_target(vocab_size=model.vocab_size, ctx_len=model.ctx_len, num_slots=1)
     min_match = proposer.min_match if isinstance(proposer, LookupFirstProposer) else None
-    head, ms = head_call_ms(micro, weight_format)
+    head, ms = head_call_ms(micro, weight_format, batch)
     return replay_head(proposer, prompts, outputs, hidden, k, method=head, call_ms=ms, lookup_min_match=min_match)

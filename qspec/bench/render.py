@@ -227,14 +227,16 @@ def _ceilings(report: BenchReport) -> list[str]:
         return []
     lines = [
         "",
-        "## Speculation ceiling (batch 1)",
+        "## Speculation ceiling",
         "",
-        "Each configuration's proposer replayed along `none`'s greedy output of its weight format; an oracle that "
-        "knows how many drafts each call would accept picks every call's depth, at the micro-benchmark's prices "
-        "per compiled K (linear in between). Ceiling: `none`'s decode time over the oracle's; measured: `none`'s "
-        "decode ms per token over the configuration's, first turns; captured: (measured - 1) / (ceiling - 1). The "
-        "prices are the micro-benchmark's (positions up to 255), not each call's own, so a dispatch can land a "
-        "little above its ceiling.",
+        "Each configuration's proposer replayed along `none`'s greedy output of its weight format and batch size; "
+        "an oracle that knows how many drafts each call would accept picks every call's depth, at the "
+        "micro-benchmark's prices per compiled K (linear in between). Ceiling: `none`'s decode time over the "
+        "oracle's; measured: `none`'s decode ms per token over the configuration's, first turns; captured: "
+        "(measured - 1) / (ceiling - 1). The prices are the micro-benchmark's (positions up to 255), not each "
+        "call's own, so a dispatch can land a little above its ceiling. At batch B > 1 each row pays a 1/B share "
+        "of the batch-B package's calls (every row live) and verifies its own count (ragged rows): a draft pays "
+        "only where it is accepted more often than a verified token's share costs against a plain step's.",
     ]
     if any(c.replay == "hidden states" for c in report.ceilings):
         lines.append(

@@ -173,8 +173,8 @@ class MemoryProbe(ReportModel):
 
 
 class CeilingRow(ReportModel):
-    """A speculative configuration at batch 1 against an oracle that dispatches its own drafts knowing
-    how many will be accepted (:mod:`qspec.bench.ceiling`)."""
+    """A speculative configuration against an oracle that dispatches its own drafts knowing how many will be
+    accepted, at its batch size's prices (:mod:`qspec.bench.ceiling`)."""
 
     key: str  # pld[0,1,2,4,8]-int4@1
     weight_format: str

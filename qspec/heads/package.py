@@ -48,7 +48,8 @@ Progress = Callable[[str], None]
 EMBED_TOKENS = "model.embed_tokens.weight"  # the target graph's initializer names (Hugging Face's)
 LM_HEAD = "lm_head.weight"
 # Bump when the head's graphs change (they are built from the head's files and this): see head_digest.
-HEAD_RECIPE_VERSION = 6  # 6: a parallel head's vendor graph hands out its depth's rows, specializations for its mask pairs
+# 6: a parallel head's vendor graph hands out its depth's rows; specializations for its mask pairs
+HEAD_RECIPE_VERSION = 6
 
 
 # The target's tables ---------------------------------------------------------------------------------
