@@ -12,7 +12,7 @@ PACKAGE := packages/smollm2-k0_1_2_4-eagle
 # The EAGLE head that ships with the project (self-distilled from the model's own answers, `make head` remakes it).
 HEAD := heads/smollm2-135m-instruct-eagle
 HEAD_PACKAGE := packages/smollm2-fp32-hidden
-HEAD_ARGS ?= --magpie 640 --prompts 928 --instructions 2112 --dialogues 0 --answer-with source \
+HEAD_ARGS ?= --magpie 640 --prompts 928 --instructions 3392 --dialogues 0 --answer-with source \
   --features-from source --max-new-tokens 256 --draft-vocab 4096 --epochs 3
 # The EAGLE-3 head (three taps, training-time test), trained in PyTorch on the source model (`make head3`).
 HEAD3 := heads/smollm2-135m-instruct-eagle3
