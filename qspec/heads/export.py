@@ -187,13 +187,16 @@ def medusa_dims(head) -> dict[str, list]:
 
 
 def trace_eagle(head, *, continuous_batching: bool, eagle3: bool = False):
-    """The EAGLE-1 (or EAGLE-3) head as an ``onnx_ir`` model, float32 weights in memory."""
+    """The EAGLE-1 (or EAGLE-3) head as an ``onnx_ir`` model, float32 weights in memory; a parallel head's keeps
+    its depth's rows a call (module doc)."""
     from qspec.export.wrapper import hold_weights_input_major
 
-    dims = eagle_dims(head, continuous_batching=continuous_batching)
+    keep = head_keep(head)
+    dims = eagle_dims(head, continuous_batching=continuous_batching, keep=keep)
     head = copy.deepcopy(head).float().eval()
     hold_weights_input_major(head)  # MatMul(x, W[in, out]): no Transpose to fold, quantizable as is
-    wrapper = (Eagle3KVExplicit if eagle3 else EagleKVExplicit)(head, continuous_batching=continuous_batching).eval()
+    kind = Eagle3KVExplicit if eagle3 else EagleKVExplicit
+    wrapper = kind(head, continuous_batching=continuous_batching, keep=keep).eval()
     kv_heads, width = head.config.num_key_value_heads, head.layers[0].self_attn.head_dim
     return export_kv_explicit(wrapper, head.config.hidden_size, (kv_heads, width), dims, continuous_batching)
 
