@@ -240,7 +240,7 @@ def eagle_specializations(config: SpecializationConfig, depth: int = 1) -> list[
         batch_size=config.batch_size, seq_len=config.prefill_seq_len, ctx_len=config.ctx_len, full_batch_size=fbs
     )
     ks = config.num_speculative_tokens
-    steps = sorted({1, *(k + 1 for k in ks), *(k + min(depth, k) for k in ks if k and depth > 1)})
+    steps = sorted({1, *(k + 1 for k in ks), *(k + min(depth, k) for k in ks if k)})  # depth 1: k + 1 again
     decode = [Specialization(batch_size=rows, seq_len=s, ctx_len=config.ctx_len, full_batch_size=fbs) for s in steps]
     return dedupe([prefill, *decode])
 
